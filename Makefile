@@ -1,0 +1,71 @@
+# Strata — every target creates .venv and installs what it needs on first use.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export NO_PROXY := 127.0.0.1,localhost,::1
+export no_proxy := 127.0.0.1,localhost,::1
+
+.PHONY: help venv demo test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
+        manifests manifests-check bench bench-smoke tools cluster-up cluster-down clean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@rm -f $(VENV)/.installed-*; touch $@
+
+venv: $(STAMP) ## create .venv and install strata with all extras
+
+demo: $(STAMP) ## the main job: train a small LM, checkpoint through RAM -> PVC -> GCS, recover from each tier
+	$(BIN)/python -m strata.demo $(DEMO_ARGS)
+
+test: $(STAMP) lint crds-check tools ## every test: lint, CRD freshness, unit, integration, e2e
+	$(BIN)/python -m pytest -p no:cacheprovider tests e2e $(PYTEST_ARGS)
+
+test-unit: $(STAMP) ## unit tests only
+	$(BIN)/python -m pytest -m unit tests $(PYTEST_ARGS)
+
+test-integration: $(STAMP) ## integration tests only (tmpfs, fake-gcs-server, processes)
+	$(BIN)/python -m pytest -m integration tests $(PYTEST_ARGS)
+
+test-e2e: $(STAMP) tools ## end-to-end tests on the local control plane
+	$(BIN)/python -m pytest e2e $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff lint + format check, import contracts
+	$(BIN)/ruff check sidecar operator tests e2e bench
+	$(BIN)/ruff format --check sidecar operator tests e2e bench
+	$(BIN)/lint-imports
+
+fmt: $(STAMP) ## apply ruff formatting and fixes
+	$(BIN)/ruff check --fix sidecar operator tests e2e bench
+	$(BIN)/ruff format sidecar operator tests e2e bench
+
+typecheck: $(STAMP) ## mypy strict on the packages
+	$(BIN)/mypy
+
+crds: $(STAMP) ## regenerate crds/ from the pydantic models
+	$(BIN)/python -m strata_operator.crdgen --out crds/
+
+crds-check: $(STAMP) ## fail when crds/ is not what `make crds` generates
+	$(BIN)/python -m strata_operator.crdgen --check crds/
+
+tools: ## build (or reuse) kube-apiserver, controller-manager, scheduler, kwok, helm into ~/.cache/strata
+	bash e2e/build-tools.sh
+
+cluster-up: $(STAMP) tools ## start the local control plane (etcd, apiserver, controller-manager, scheduler, kwok)
+	$(BIN)/python -m e2e.cluster up
+
+cluster-down: $(STAMP) ## stop the local control plane
+	$(BIN)/python -m e2e.cluster down
+
+bench: $(STAMP) ## benchmarks with side-by-side ratios -> bench/results/
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+clean: ## remove .venv and caches (not the tool cache in ~/.cache/strata)
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .strata-run

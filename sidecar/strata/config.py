@@ -1,0 +1,213 @@
+"""The configuration contract between the operator, the sidecar and the training client.
+
+The operator's webhook builds a :class:`SidecarConfig` from a ``CheckpointPolicy`` and the pod,
+serialises it with :meth:`SidecarConfig.to_env` and injects the result into the sidecar *and* every
+training container. The sidecar and the client read it back with :meth:`SidecarConfig.from_env`.
+Because both ends use this one model, they cannot disagree about a setting.
+
+Environment variables (all optional except where said):
+
+``STRATA_CONFIG``
+    JSON of the whole model (what the webhook injects). Fields below override it.
+``STRATA_JOB_ID``
+    ``<namespace>.<workload>`` or the ``strata.dev/run-id`` annotation.
+``STRATA_RAM_DIR``, ``STRATA_PVC_DIR``, ``STRATA_GCS_BUCKET``, ``STRATA_GCS_PREFIX``
+    Tier locations (for runs outside Kubernetes, e.g. ``make demo``).
+``STRATA_SOCKET``
+    Unix socket of the sidecar's local API; default ``<ram dir>/.strata/agent.sock``.
+``POD_NAME``, ``POD_NAMESPACE``, ``NODE_NAME``, ``POD_UID``
+    Downward API, set by the webhook.
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
+    torch.distributed / torchrun identity (read by the client, not part of this model).
+
+Unknown fields in ``STRATA_CONFIG`` are an error that names the field (``extra="forbid"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+TierName = Literal["ram", "pvc", "gcs"]
+TIER_ORDER: tuple[TierName, ...] = ("ram", "pvc", "gcs")
+
+ENV_CONFIG = "STRATA_CONFIG"
+DEFAULT_RAM_DIR = "/strata/ram"
+DEFAULT_PVC_DIR = "/strata/pvc"
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message names the setting and what to do."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Interval(_Frozen):
+    """When a tier is due: every ``steps`` training steps and/or every ``seconds`` of wall time.
+
+    A tier is due when any set bound has elapsed since its last checkpoint. Neither set means
+    every committed step (the RAM tier's natural cadence).
+    """
+
+    steps: Annotated[int, Field(ge=1)] | None = None
+    seconds: Annotated[float, Field(gt=0)] | None = None
+
+
+class RamTierConfig(_Frozen):
+    """RAM tier: a tmpfs directory holding a ring of pre-faulted slot files per rank."""
+
+    path: str = DEFAULT_RAM_DIR
+    medium: Literal["Memory", "HostPath"] = "Memory"
+    size_limit_bytes: Annotated[int, Field(ge=0)] | None = None
+    """Bytes the RAM tier may use (emptyDir ``sizeLimit``); None: unbounded (tests, demo)."""
+    keep: Annotated[int, Field(ge=1)] = 1
+    """Committed steps kept per rank; the slot ring holds ``keep + 1`` slots (one being written)."""
+    every: Interval = Interval(steps=1)
+
+
+class PvcTierConfig(_Frozen):
+    """Shared-filesystem tier (PVC: Filestore, Lustre, NFS) mounted at ``path``."""
+
+    path: str = DEFAULT_PVC_DIR
+    claim_name: str | None = None
+    sub_path: str | None = None
+    keep: Annotated[int, Field(ge=1)] = 2
+    every: Interval = Interval(steps=100)
+
+
+class GcsTierConfig(_Frozen):
+    """Google Cloud Storage tier: ``gs://<bucket>/<prefix>/<job id>/steps/...``."""
+
+    bucket: Annotated[str, Field(min_length=3, max_length=222)]
+    prefix: str = ""
+    keep: Annotated[int, Field(ge=1)] = 3
+    every: Interval = Interval(steps=1000)
+    endpoint: str | None = None
+    """API endpoint override (fake-gcs-server); default: the real service or STORAGE_EMULATOR_HOST."""
+    chunk_size_bytes: Annotated[int, Field(ge=256 * 1024)] = 32 * 1024 * 1024
+    """Parts of a parallel chunked (XML multipart) upload/download; 256 KiB multiple."""
+    max_workers: Annotated[int, Field(ge=1, le=64)] = 8
+
+
+class RestoreConfig(_Frozen):
+    order: tuple[TierName, ...] = TIER_ORDER
+    verify: bool = True
+    allow_fresh_start: bool = False
+    """Start from step 0 when no tier holds a restorable step. False: restore() raises instead."""
+
+
+class ReportConfig(_Frozen):
+    """Where the sidecar pushes reports (HTTPS, operator) and how it authenticates."""
+
+    endpoint: str | None = None
+    token_path: str = "/var/run/secrets/strata.dev/token"
+    ca_path: str | None = None
+    timeout_seconds: Annotated[float, Field(gt=0)] = 5.0
+    max_attempts: Annotated[int, Field(ge=1)] = 5
+
+
+class SidecarConfig(_Frozen):
+    """Everything the sidecar and the training client need; built by the webhook from a policy.
+
+    Errors: :meth:`from_env` raises :class:`ConfigError` naming the setting on invalid input.
+    """
+
+    job_id: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+    policy: str | None = None
+    namespace: str | None = None
+    pod_name: str | None = None
+    pod_uid: str | None = None
+    node_name: str | None = None
+    ram: RamTierConfig = RamTierConfig()
+    pvc: PvcTierConfig | None = None
+    gcs: GcsTierConfig | None = None
+    restore: RestoreConfig = RestoreConfig()
+    report: ReportConfig = ReportConfig()
+    socket_path: str | None = None
+    """Unix socket of the local API; default ``<ram.path>/.strata/agent.sock``."""
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464
+    """Port of /metrics and /healthz on 0.0.0.0 in a pod; 0 disables."""
+    metrics_host: str = "0.0.0.0"
+    gc_grace_seconds: Annotated[float, Field(ge=0)] = 600.0
+    """Incomplete steps older than the newest complete step are deleted after this long."""
+    termination_grace_seconds: Annotated[float, Field(gt=0)] = 30.0
+    """The pod's terminationGracePeriodSeconds; the SIGTERM flush deadline is derived from it."""
+    writer_id: str | None = None
+    """Identity stamped into manifests written by this pod; default ``<pod name or host>``."""
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> SidecarConfig:
+        if len(set(self.restore.order)) != len(self.restore.order):
+            raise ValueError(f"restore.order has duplicates: {list(self.restore.order)}")
+        return self
+
+    @property
+    def socket(self) -> Path:
+        return Path(self.socket_path or os.path.join(self.ram.path, ".strata", "agent.sock"))
+
+    def tiers_in_restore_order(self) -> list[TierName]:
+        """Configured tiers in restore order (nearest first)."""
+        present = {"ram": True, "pvc": self.pvc is not None, "gcs": self.gcs is not None}
+        return [t for t in self.restore.order if present[t]]
+
+    def to_env(self) -> dict[str, str]:
+        """The env vars the webhook injects (only ``STRATA_CONFIG``; the rest is downward API)."""
+        return {ENV_CONFIG: self.model_dump_json(exclude_defaults=True)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SidecarConfig:
+        """Read ``STRATA_CONFIG`` plus the override variables listed in the module docstring."""
+        env = os.environ if environ is None else environ
+        raw: dict[str, object] = {}
+        if env.get(ENV_CONFIG):
+            try:
+                loaded = json.loads(env[ENV_CONFIG])
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{ENV_CONFIG} is not valid JSON ({exc}); it is set by the webhook") from exc
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"{ENV_CONFIG} must be a JSON object")
+            raw.update(loaded)
+        overrides = {
+            "STRATA_JOB_ID": ("job_id",),
+            "POD_NAME": ("pod_name",),
+            "POD_NAMESPACE": ("namespace",),
+            "POD_UID": ("pod_uid",),
+            "NODE_NAME": ("node_name",),
+            "STRATA_SOCKET": ("socket_path",),
+            "STRATA_RAM_DIR": ("ram", "path"),
+            "STRATA_PVC_DIR": ("pvc", "path"),
+            "STRATA_GCS_BUCKET": ("gcs", "bucket"),
+            "STRATA_GCS_PREFIX": ("gcs", "prefix"),
+        }
+        for var, keys in overrides.items():
+            value = env.get(var)
+            if not value:
+                continue
+            target = raw
+            for key in keys[:-1]:
+                sub = target.get(key)
+                if not isinstance(sub, dict):
+                    sub = {}
+                    target[key] = sub
+                target = sub
+            target[keys[-1]] = value
+        return cls.parse(raw)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, object]) -> SidecarConfig:
+        """Validate ``raw``; raise :class:`ConfigError` naming every bad setting."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+                for err in exc.errors()
+            )
+            raise ConfigError(f"invalid Strata configuration: {problems}") from None

@@ -1,0 +1,59 @@
+"""Checkpoint layout, identical in every tier (DESIGN.md "Checkpoint layout").
+
+``<tier root>/<job id>/steps/<step:012d>/rank-<rank:05d>.data``      tensor bytes
+``<tier root>/<job id>/steps/<step:012d>/rank-<rank:05d>.manifest``  written LAST (commit point)
+
+Paths here are relative, '/'-separated keys, usable as POSIX sub-paths and GCS object names.
+"""
+
+from __future__ import annotations
+
+import re
+
+STEP_DIGITS = 12
+RANK_DIGITS = 5
+DATA_SUFFIX = ".data"
+MANIFEST_SUFFIX = ".manifest"
+QUARANTINE_SUFFIX = ".quarantined"
+
+_SHARD_RE = re.compile(r"^rank-(\d{5})\.(data|manifest)$")
+_STEP_RE = re.compile(r"^\d{12}$")
+
+
+def step_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step}")
+    return f"{step:0{STEP_DIGITS}d}"
+
+
+def steps_prefix(job_id: str) -> str:
+    return f"{job_id}/steps"
+
+
+def step_key(job_id: str, step: int) -> str:
+    return f"{job_id}/steps/{step_name(step)}"
+
+
+def shard_stem(rank: int) -> str:
+    if rank < 0:
+        raise ValueError(f"rank must be a non-negative integer, got {rank}")
+    return f"rank-{rank:0{RANK_DIGITS}d}"
+
+
+def data_key(job_id: str, step: int, rank: int) -> str:
+    return f"{step_key(job_id, step)}/{shard_stem(rank)}{DATA_SUFFIX}"
+
+
+def manifest_key(job_id: str, step: int, rank: int) -> str:
+    return f"{step_key(job_id, step)}/{shard_stem(rank)}{MANIFEST_SUFFIX}"
+
+
+def parse_step(name: str) -> int | None:
+    """``'000000000100'`` -> 100; anything else -> None."""
+    return int(name) if _STEP_RE.match(name) else None
+
+
+def parse_shard(name: str) -> tuple[int, str] | None:
+    """``'rank-00003.manifest'`` -> (3, 'manifest'); anything else -> None."""
+    m = _SHARD_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None

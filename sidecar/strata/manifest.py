@@ -1,0 +1,109 @@
+"""Shard manifest: the commit record of one rank's shard of one step (DESIGN.md).
+
+A shard is two objects: ``rank-RRRRR.data`` (raw storage bytes, back to back, each storage aligned
+to :data:`ALIGN`) and ``rank-RRRRR.manifest`` (this model as JSON), written LAST. The manifest
+exists and verifies <=> the shard is committed in that tier.
+
+Tensors are recorded the way ``torch.save`` does: by *storage* (so tied weights and views keep
+sharing) plus per-tensor view metadata (dtype, shape, stride, storage offset). The non-tensor
+state tree is JSON with tagged nodes (see :mod:`strata.codec`); nothing is unpickled on load.
+
+Checksums: CRC32C (Castagnoli, google-crc32c) of every ``chunk_size`` bytes of the data object
+(``chunk_crc32c``), so a partial read can be verified, and of the whole object (``crc32c``, the
+value GCS reports as ``crc32c``).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FORMAT_VERSION = 1
+ALIGN = 64
+"""Byte alignment of each storage in the data object (cache line; keeps copies vectorised)."""
+DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
+
+
+class ManifestError(ValueError):
+    """A manifest is missing, malformed, of another job/world size or an unknown version."""
+
+
+class StorageEntry(BaseModel):
+    """One untyped storage: ``nbytes`` bytes at ``offset`` in the data object."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    offset: Annotated[int, Field(ge=0)]
+    nbytes: Annotated[int, Field(ge=0)]
+
+
+class TensorEntry(BaseModel):
+    """A tensor as a view of a storage (element units are of ``dtype``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    storage: Annotated[int, Field(ge=0)]
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix, e.g. ``bfloat16``."""
+    shape: list[Annotated[int, Field(ge=0)]]
+    stride: list[int]
+    storage_offset: Annotated[int, Field(ge=0)] = 0
+    requires_grad: bool = False
+
+
+class Manifest(BaseModel):
+    """The commit record of rank ``rank``'s shard of step ``step`` of job ``job_id``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    format: Literal["strata-shard"] = "strata-shard"
+    format_version: int = FORMAT_VERSION
+    job_id: str
+    step: Annotated[int, Field(ge=0)]
+    rank: Annotated[int, Field(ge=0)]
+    world_size: Annotated[int, Field(ge=1)]
+    writer_id: str
+    created: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    tree: Any
+    """The state tree with tensors replaced by ``{"__tensor__": index}`` (see strata.codec)."""
+    tensors: list[TensorEntry]
+    storages: list[StorageEntry]
+    data_nbytes: Annotated[int, Field(ge=0)]
+    """Meaningful length of the data object (a RAM slot file may be longer)."""
+    chunk_size: Annotated[int, Field(gt=0)] = DEFAULT_CHUNK_SIZE
+    chunk_crc32c: list[int] | None = None
+    crc32c: int | None = None
+    """None only transiently in the RAM tier, before the background checksum pass."""
+
+    def check_identity(self, job_id: str, step: int, rank: int, world_size: int | None) -> None:
+        """Raise :class:`ManifestError` when this manifest is not the shard that was asked for."""
+        if self.format_version != FORMAT_VERSION:
+            raise ManifestError(
+                f"manifest format version {self.format_version} is not supported "
+                f"(this Strata reads {FORMAT_VERSION}); upgrade Strata or restore an older step"
+            )
+        wrong = []
+        if self.job_id != job_id:
+            wrong.append(f"job id {self.job_id!r} != {job_id!r}")
+        if self.step != step:
+            wrong.append(f"step {self.step} != {step}")
+        if self.rank != rank:
+            wrong.append(f"rank {self.rank} != {rank}")
+        if world_size is not None and self.world_size != world_size:
+            wrong.append(f"world size {self.world_size} != {world_size}")
+        if wrong:
+            raise ManifestError("manifest belongs to another shard: " + ", ".join(wrong))
+
+    @property
+    def verified(self) -> bool:
+        """Checksums are recorded (a shard is only promoted or trusted once they are)."""
+        return self.crc32c is not None and self.chunk_crc32c is not None
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str) -> Manifest:
+        try:
+            return cls.model_validate_json(raw)
+        except ValueError as exc:
+            raise ManifestError(f"malformed manifest {where}: {exc}") from None

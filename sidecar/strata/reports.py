@@ -1,0 +1,82 @@
+"""Report schema: what a sidecar pushes to the operator (DESIGN.md "Reports").
+
+The sidecar POSTs one :class:`SidecarReport` as JSON to ``<report endpoint>/v1/reports`` with
+``Authorization: Bearer <projected service-account token>``. The operator validates it with this
+same model, authenticates the token with a TokenReview, checks that the pod belongs to the policy,
+and folds it into ``CheckpointPolicy.status.jobs[]``, Events and metrics.
+
+Reports are small (bounded lists) and best-effort: losing one never affects checkpointing.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from strata.config import TierName
+
+REPORT_PATH = "/v1/reports"
+REPORT_VERSION = 1
+MAX_EVENTS = 16
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TierState(_Model):
+    """What one tier holds for this job, as seen by the reporting sidecar."""
+
+    newest_complete_step: Annotated[int, Field(ge=0)] | None = None
+    """Newest step whose every rank manifest is committed in this tier."""
+    newest_committed_step: Annotated[int, Field(ge=0)] | None = None
+    """Newest step with at least one of this pod's shards committed in this tier."""
+    complete_steps: Annotated[int, Field(ge=0)] = 0
+
+
+class Promotion(_Model):
+    tier: TierName
+    step: Annotated[int, Field(ge=0)]
+    bytes: Annotated[int, Field(ge=0)]
+    seconds: Annotated[float, Field(ge=0)]
+    time: datetime = Field(default_factory=utcnow)
+
+
+class Restore(_Model):
+    """A restore's provenance: which tier served which step, and why nearer tiers were skipped."""
+
+    tier: TierName | None
+    """None: nothing restorable (fresh start or failure, see ``outcome``)."""
+    step: Annotated[int, Field(ge=0)] | None
+    bytes: Annotated[int, Field(ge=0)] = 0
+    seconds: Annotated[float, Field(ge=0)] = 0.0
+    outcome: Literal["restored", "fresh-start", "failed"] = "restored"
+    skipped: Annotated[list[str], Field(max_length=MAX_EVENTS)] = []
+    rank: Annotated[int, Field(ge=0)] | None = None
+    time: datetime = Field(default_factory=utcnow)
+
+
+class ReportedError(_Model):
+    tier: TierName | None = None
+    message: Annotated[str, Field(max_length=2048)]
+    time: datetime = Field(default_factory=utcnow)
+
+
+class SidecarReport(_Model):
+    version: Literal[1] = REPORT_VERSION
+    policy: Annotated[str, Field(min_length=1, max_length=253)]
+    namespace: Annotated[str, Field(min_length=1, max_length=63)]
+    pod_name: Annotated[str, Field(min_length=1, max_length=253)]
+    pod_uid: str | None = None
+    job_id: Annotated[str, Field(min_length=1, max_length=512)]
+    time: datetime = Field(default_factory=utcnow)
+    tiers: dict[TierName, TierState] = {}
+    promotions: Annotated[list[Promotion], Field(max_length=MAX_EVENTS)] = []
+    restores: Annotated[list[Restore], Field(max_length=MAX_EVENTS)] = []
+    errors: Annotated[list[ReportedError], Field(max_length=MAX_EVENTS)] = []
