@@ -1,0 +1,3 @@
+"""Repository-wide pytest configuration: shared fixture modules live in tests/fixtures/."""
+
+pytest_plugins: list[str] = []
