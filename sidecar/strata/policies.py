@@ -1,0 +1,196 @@
+"""When a tier is due and which steps a tier keeps: small policy classes (Orbax style).
+
+Interval policies answer "is tier T due for step S now?" given the last step promoted to T and
+when. A step bound is *aligned*: ``EveryNSteps(50)`` is due for the first step at or past the next
+multiple of 50 after the last promotion (50, 100, 150, ...; if the sidecar only sees 60 because
+the RAM tier already moved past 50, 60 is promoted and the next one is due at 100). This keeps the
+durable tiers on the same steps (GCS every 100 finds the step on the PVC, which saved every 50)
+even when the sidecar misses a RAM step. A seconds bound is measured from the last promotion (or
+from the engine's start when the tier has never been written by it). A tier with both bounds is
+due when either has elapsed (DESIGN.md "Promotion and retention"; config.Interval).
+
+Retention policies pick which *complete* steps of a tier to delete (``LatestN``). They never
+return the newest complete step; incomplete steps are never theirs to delete (the promotion
+engine garbage-collects those separately, after a grace period).
+
+Every class validates its options when constructed and raises :class:`PolicyError` (a
+``ValueError``) whose message names the option and the conflict.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from strata.config import Interval, SidecarConfig, TierName
+
+
+class PolicyError(ValueError):
+    """Conflicting or invalid policy options; the message names them."""
+
+
+@runtime_checkable
+class IntervalPolicy(Protocol):
+    """Decides whether a tier is due to receive ``step``."""
+
+    def due(self, step: int, last_step: int | None, now: float, last_time: float | None) -> bool:
+        """``last_step``/``last_time``: the tier's newest promoted step and when (seconds, any
+        monotonic clock consistent with ``now``); None when the tier has none yet."""
+
+
+@runtime_checkable
+class RetentionPolicy(Protocol):
+    """Picks the complete steps to delete from a tier."""
+
+    def to_delete(self, complete_steps: Iterable[int]) -> list[int]:
+        """Complete steps (any order) -> the ones to delete, ascending; never the newest one."""
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PolicyError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise PolicyError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class EveryNSteps:
+    """Due at the first step at or past the next multiple of ``n`` after the last promotion.
+
+    With no previous promotion, due once ``step >= n`` (a job that saved step 0 does not
+    promote it until step ``n``; step 0 is the untrained model).
+    """
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _check_int("EveryNSteps.n (every.steps)", self.n, 1)
+
+    def due(self, step: int, last_step: int | None, now: float, last_time: float | None) -> bool:
+        if last_step is None:
+            return step >= self.n
+        return step > last_step and step // self.n > last_step // self.n
+
+
+@dataclass(frozen=True)
+class EveryNSeconds:
+    """Due when at least ``seconds`` have passed since the last promotion (or since start)."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, int | float):
+            raise PolicyError(
+                f"EveryNSeconds.seconds (every.seconds) must be a number, got {self.seconds!r}"
+            )
+        if not math.isfinite(self.seconds) or self.seconds <= 0:
+            raise PolicyError(
+                f"EveryNSeconds.seconds (every.seconds) must be a finite number > 0, got {self.seconds}"
+            )
+
+    def due(self, step: int, last_step: int | None, now: float, last_time: float | None) -> bool:
+        if last_step is not None and step <= last_step:
+            return False
+        return last_time is None or now - last_time >= self.seconds
+
+
+@dataclass(frozen=True)
+class EveryStep:
+    """Due for every step newer than the last promoted one (an Interval with no bound set)."""
+
+    def due(self, step: int, last_step: int | None, now: float, last_time: float | None) -> bool:
+        return last_step is None or step > last_step
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """Due when any of ``policies`` is due (an Interval with both ``steps`` and ``seconds``)."""
+
+    policies: tuple[IntervalPolicy, ...]
+
+    def __post_init__(self) -> None:
+        if not self.policies:
+            raise PolicyError("AnyOf needs at least one policy; use EveryStep() for every step")
+        if any(isinstance(p, EveryStep) for p in self.policies) and len(self.policies) > 1:
+            raise PolicyError(
+                "AnyOf(EveryStep(), ...) conflicts: EveryStep is always due, so the other bounds "
+                "would never matter; use EveryStep() alone or drop it"
+            )
+
+    def due(self, step: int, last_step: int | None, now: float, last_time: float | None) -> bool:
+        return any(p.due(step, last_step, now, last_time) for p in self.policies)
+
+
+def interval_policy(interval: Interval) -> IntervalPolicy:
+    """The policy of a config :class:`~strata.config.Interval` (due when any set bound elapsed)."""
+    parts: list[IntervalPolicy] = []
+    if interval.steps is not None:
+        parts.append(EveryNSteps(interval.steps))
+    if interval.seconds is not None:
+        parts.append(EveryNSeconds(interval.seconds))
+    if not parts:
+        return EveryStep()
+    return parts[0] if len(parts) == 1 else AnyOf(tuple(parts))
+
+
+@dataclass(frozen=True)
+class LatestN:
+    """Keep the newest ``n`` complete steps of a tier; older complete steps are deleted.
+
+    ``n`` >= 1: the newest complete step is never deleted before a newer one is complete
+    (DESIGN.md "Commit protocol"), so ``keep: 0`` is refused rather than silently raised to 1.
+    """
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, int) and not isinstance(self.n, bool) and self.n == 0:
+            raise PolicyError(
+                "LatestN.n (keep) = 0 conflicts with the rule that the newest complete step is "
+                "never deleted; use keep >= 1"
+            )
+        _check_int("LatestN.n (keep)", self.n, 1)
+
+    def to_delete(self, complete_steps: Iterable[int]) -> list[int]:
+        steps = sorted(set(complete_steps))
+        return steps[: max(0, len(steps) - self.n)]
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """The interval and retention of one tier."""
+
+    tier: TierName
+    interval: IntervalPolicy
+    retention: RetentionPolicy
+
+
+def tier_policies(config: SidecarConfig) -> dict[TierName, TierPolicy]:
+    """Policies of every configured tier, validated against each other.
+
+    Raises :class:`PolicyError` when a durable tier's step interval cannot be honoured because
+    the RAM tier does not hold the steps it asks for: e.g. ``pvc.every.steps=15`` with
+    ``ram.every.steps=10`` would silently become "every 20"; the message names both settings.
+    """
+    out: dict[TierName, TierPolicy] = {
+        "ram": TierPolicy("ram", interval_policy(config.ram.every), LatestN(config.ram.keep))
+    }
+    ram_steps = config.ram.every.steps
+    durable: Sequence[tuple[TierName, Interval | None, int]] = (
+        ("pvc", config.pvc.every if config.pvc else None, config.pvc.keep if config.pvc else 1),
+        ("gcs", config.gcs.every if config.gcs else None, config.gcs.keep if config.gcs else 1),
+    )
+    for name, every, keep in durable:
+        if every is None:
+            continue
+        if ram_steps is not None and every.steps is not None and every.steps % ram_steps != 0:
+            raise PolicyError(
+                f"{name}.every.steps={every.steps} is not a multiple of ram.every.steps={ram_steps}: "
+                f"the {name} tier can only receive steps the RAM tier saved; make {name}.every.steps "
+                f"a multiple of {ram_steps}"
+            )
+        out[name] = TierPolicy(name, interval_policy(every), LatestN(keep))
+    return out
