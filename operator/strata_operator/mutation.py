@@ -1,0 +1,714 @@
+"""Pod and workload mutation as pure functions: object in, RFC 6902 JSON patch out.
+
+The admission handlers in :mod:`strata_operator.webhook` only wire these functions; everything a
+pod gets from Strata is decided here, without a cluster, so it is unit tested as plain data.
+
+What an injected pod gets (DESIGN.md "Webhook"; every name below is a module constant):
+
+* volume ``strata-ram``: ``emptyDir`` with ``medium: Memory`` and ``sizeLimit`` (survives container
+  restarts) or ``hostPath`` on a node tmpfs (survives a reschedule onto the same node; not allowed
+  under the restricted Pod Security Standard), per ``spec.tiers.ram.medium``;
+* volume ``strata-pvc`` (when the policy has a PVC tier): the claim, mounted with its ``subPath``;
+* volume ``strata-token``: a projected service-account token for the report audience (the operator
+  authenticates reports with a TokenReview) plus the report CA bundle, projected from the pod
+  annotation ``strata.dev/report-ca`` through the downward API so that no per-namespace ConfigMap
+  or Secret is needed;
+* the sidecar as a native sidecar (an init container with ``restartPolicy: Always``) appended after
+  the existing init containers, so that it starts after them (a network proxy sidecar, data
+  staging) and is stopped before them; a ``startupProbe`` on ``/healthz`` holds back the training
+  containers until the RAM slots are pre-faulted; its memory request and limit are the RAM tier's
+  ``sizeLimit`` plus an overhead, because tmpfs pages are charged to the container that first
+  touches them and the sidecar pre-faults the slots (DESIGN.md "RAM tier");
+* for every training container (``spec.containers``): ``STRATA_CONFIG``
+  (:meth:`strata.config.SidecarConfig.to_env`), the downward-API identity variables and the RAM and
+  PVC mounts;
+* ``terminationGracePeriodSeconds`` raised to the policy's value (never lowered);
+* the annotation ``strata.dev/injected: <policy>``.
+
+Rank identity, from the workload controller's pod labels through the downward API (only labels
+present at admission are wired; a missing one is left out, the client then relies on ``RANK``):
+
+====================================  ==============================================
+variable                              label
+====================================  ==============================================
+``STRATA_JOBSET_JOB_INDEX``           ``jobset.sigs.k8s.io/job-index``
+``STRATA_JOBSET_JOB_GLOBAL_INDEX``    ``jobset.sigs.k8s.io/job-global-index``
+``STRATA_JOBSET_REPLICATED_JOB``      ``jobset.sigs.k8s.io/replicatedjob-name``
+``STRATA_COMPLETION_INDEX``           ``batch.kubernetes.io/job-completion-index``
+``STRATA_REPLICA_TYPE``               ``training.kubeflow.org/replica-type``
+``STRATA_REPLICA_INDEX``              ``training.kubeflow.org/replica-index``
+====================================  ==============================================
+
+The patch only adds (plus raising the grace period): existing init containers, native sidecars,
+env, mounts and unknown fields stay as they are. It is idempotent: everything is added only when
+missing, so applying the patch and calling :func:`build_pod_patch` again yields ``[]``. A pod that
+meets the restricted Pod Security Standard still meets it after injection with the ``Memory``
+medium: the sidecar runs as non-root, without privilege escalation, with all capabilities dropped
+and the ``RuntimeDefault`` seccomp profile, and it declares no host port.
+
+Errors: :class:`InjectionError` (a clear message naming the object and the setting) when a pod
+cannot be injected; the webhook turns it into a 4xx admission denial.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from pydantic import BaseModel
+
+from strata.config import DEFAULT_PVC_DIR, DEFAULT_RAM_DIR, ConfigError, SidecarConfig
+
+JSONPatchOp = dict[str, Any]
+Obj = dict[str, Any]
+
+POLICY_LABEL = "strata.dev/policy"
+"""Pod label (and workload annotation) naming the CheckpointPolicy in the pod's namespace."""
+RUN_ID_ANNOTATION = "strata.dev/run-id"
+"""Overrides the job id so that a resubmitted run continues from its checkpoints."""
+INJECTED_ANNOTATION = "strata.dev/injected"
+"""Marker set on injected pods; value: the policy name."""
+REPORT_CA_ANNOTATION = "strata.dev/report-ca"
+"""PEM bundle of the report endpoint's CA, projected into the token volume as ``ca.crt``."""
+
+SIDECAR_NAME = "strata-sidecar"
+RAM_VOLUME = "strata-ram"
+PVC_VOLUME = "strata-pvc"
+TOKEN_VOLUME = "strata-token"
+TOKEN_DIR = "/var/run/secrets/strata.dev"
+TOKEN_FILE = "token"
+CA_FILE = "ca.crt"
+METRICS_PORT_NAME = "strata-metrics"
+
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+PYTORCHJOB_NAME_LABEL = "training.kubeflow.org/job-name"
+JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
+
+RANK_LABELS: tuple[tuple[str, str], ...] = (
+    ("STRATA_JOBSET_JOB_INDEX", "jobset.sigs.k8s.io/job-index"),
+    ("STRATA_JOBSET_JOB_GLOBAL_INDEX", "jobset.sigs.k8s.io/job-global-index"),
+    ("STRATA_JOBSET_REPLICATED_JOB", "jobset.sigs.k8s.io/replicatedjob-name"),
+    ("STRATA_COMPLETION_INDEX", "batch.kubernetes.io/job-completion-index"),
+    ("STRATA_REPLICA_TYPE", "training.kubeflow.org/replica-type"),
+    ("STRATA_REPLICA_INDEX", "training.kubeflow.org/replica-index"),
+)
+POD_FIELD_ENV: tuple[tuple[str, str], ...] = (
+    ("POD_NAME", "metadata.name"),
+    ("POD_NAMESPACE", "metadata.namespace"),
+    ("POD_UID", "metadata.uid"),
+    ("NODE_NAME", "spec.nodeName"),
+)
+
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_GENERATED_SUFFIX_RE = re.compile(r"-+$")
+
+
+class InjectionError(ValueError):
+    """A pod or workload cannot be mutated; the message names the object and what to do."""
+
+
+@dataclass(frozen=True)
+class InjectionSettings:
+    """Operator-wide settings of the injection (Helm values; flags of ``strata-operator``).
+
+    Sizes are Kubernetes quantities (``"256Mi"``); the policy's values take precedence where the
+    policy has one (sidecar image, resources, grace period, RAM size).
+    """
+
+    sidecar_image: str = "ghcr.io/strata-dev/strata:0.1.0"
+    sidecar_command: tuple[str, ...] = ("strata", "sidecar")
+    report_endpoint: str | None = None
+    """Base URL of the operator's report receiver, e.g. ``https://strata.strata-system.svc:8444``."""
+    report_audience: str = "strata.dev"
+    """Audience of the projected token; the receiver's TokenReview asks for the same one."""
+    report_ca_pem: str | None = None
+    """CA bundle the sidecar trusts for the report endpoint (projected as ``ca.crt``)."""
+    token_expiration_seconds: int = 3600
+    """Projected token lifetime; the kubelet refreshes it at 80 %; minimum 600 (API rule)."""
+    memory_overhead: str = "256Mi"
+    """Sidecar memory on top of the RAM tier (Python, buffers of promotions)."""
+    cpu_request: str = "250m"
+    default_ram_size_limit: str = "1Gi"
+    """RAM tier size when the policy gives none (an emptyDir always gets a sizeLimit: C-12)."""
+    host_path_root: str = "/dev/shm/strata"
+    """Node tmpfs directory of the ``HostPath`` medium."""
+    metrics_port: int = 9464
+    run_as_user: int = 65532
+    """UID of the sidecar when neither the pod nor the policy sets one (non-root: restricted PSS)."""
+    startup_seconds_per_gib: float = 2.0
+    """startupProbe budget for pre-faulting the RAM slots (about 1 GB/s per core, x2 margin)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def escape_pointer(token: str) -> str:
+    """Escape one JSON-pointer reference token (RFC 6901): ``~`` -> ``~0``, ``/`` -> ``~1``."""
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def parse_quantity(value: str | int | float, *, what: str) -> int:
+    """A Kubernetes quantity (``"8Gi"``, ``"1.5G"``, ``1024``) as whole bytes (rounded up)."""
+    from kubernetes.utils.quantity import parse_quantity as _parse
+
+    try:
+        parsed = _parse(value)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise InjectionError(f"{what}: {value!r} is not a Kubernetes quantity ({exc})") from None
+    return math.ceil(Decimal(parsed))
+
+
+def format_bytes(n: int) -> str:
+    """Bytes as the shortest exact binary quantity (``1073741824`` -> ``"1Gi"``)."""
+    for suffix, size in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if n and n % size == 0:
+            return f"{n // size}{suffix}"
+    return str(n)
+
+
+def _as_plain(obj: Any) -> Any:
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return obj
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    """The parts of a ``CheckpointPolicy`` the mutation reads, in the CR's camelCase form."""
+
+    name: str
+    spec: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, policy: Any, name: str | None = None) -> PolicyView:
+        """Accept a CheckpointPolicy object (dict or model with ``metadata``/``spec``) or a spec."""
+        plain = _as_plain(policy)
+        if not isinstance(plain, Mapping):
+            raise InjectionError(
+                f"policy must be a mapping or a pydantic model, got {type(policy)}"
+            )
+        if "spec" in plain:
+            meta = plain.get("metadata") or {}
+            spec = _as_plain(plain["spec"]) or {}
+            name = name or meta.get("name")
+        else:
+            spec = plain
+        if not name:
+            raise InjectionError("the CheckpointPolicy has no name (metadata.name)")
+        return cls(name=str(name), spec=spec)
+
+    def _section(self, *path: str) -> Mapping[str, Any]:
+        node: Any = self.spec
+        for key in path:
+            node = node.get(key) if isinstance(node, Mapping) else None
+        return node if isinstance(node, Mapping) else {}
+
+    @property
+    def ram(self) -> Mapping[str, Any]:
+        return self._section("tiers", "ram")
+
+    @property
+    def pvc(self) -> Mapping[str, Any] | None:
+        pvc = self._section("tiers", "pvc")
+        return pvc or None
+
+    @property
+    def sidecar(self) -> Mapping[str, Any]:
+        return self._section("sidecar")
+
+
+# ---------------------------------------------------------------------------------------------
+# Identity
+
+
+def job_id_for(pod: Mapping[str, Any], namespace: str) -> str:
+    """``<namespace>.<workload>`` (DESIGN.md "Identity"), or the ``strata.dev/run-id`` annotation.
+
+    The workload is found from the pod's labels (JobSet, PyTorchJob, Job, in this order: a JobSet's
+    pods also carry their child Job's name), then its controller owner reference, then the pod's
+    own name or ``generateName`` stem.
+    """
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    labels = meta.get("labels") or {}
+    run_id = annotations.get(RUN_ID_ANNOTATION)
+    if run_id:
+        if not _JOB_ID_RE.match(run_id) or len(run_id) > 512:
+            raise InjectionError(
+                f"annotation {RUN_ID_ANNOTATION}={run_id!r} is not a valid run id: use letters, "
+                "digits, '.', '_' and '-', starting with a letter or digit, at most 512 characters"
+            )
+        return str(run_id)
+    workload = labels.get(JOBSET_NAME_LABEL) or labels.get(PYTORCHJOB_NAME_LABEL)
+    if not workload:
+        workload = next((labels[k] for k in JOB_NAME_LABELS if labels.get(k)), None)
+    if not workload:
+        owners = [o for o in meta.get("ownerReferences") or [] if o.get("controller")]
+        workload = owners[0].get("name") if owners else None
+    if not workload:
+        workload = meta.get("name") or _GENERATED_SUFFIX_RE.sub("", meta.get("generateName") or "")
+    if not workload:
+        raise InjectionError(
+            "cannot derive a Strata job id: the pod has no workload labels, no owner, no name and "
+            f"no generateName; set the annotation {RUN_ID_ANNOTATION}"
+        )
+    return f"{namespace}.{workload}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sidecar configuration
+
+
+def _interval(value: Any) -> dict[str, Any] | None:
+    """Policy ``every`` (an int of steps, or ``{steps, seconds|duration}``) -> Interval fields."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return {"steps": value}
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        if value.get("steps") is not None:
+            out["steps"] = value["steps"]
+        if value.get("seconds") is not None:
+            out["seconds"] = value["seconds"]
+        return out
+    return None
+
+
+def default_sidecar_config(
+    policy: PolicyView,
+    *,
+    job_id: str,
+    namespace: str,
+    settings: InjectionSettings,
+    grace_seconds: int,
+    ram_bytes: int,
+) -> SidecarConfig:
+    """Build the :class:`SidecarConfig` of a pod from the policy's CR form.
+
+    :func:`strata_operator.api.to_sidecar_config` is used instead when the webhook passes it as
+    ``config_builder`` (the typed models are the single source of truth); this one only reads the
+    fields the CR form shares with it, so that the mutation stays usable on plain dicts.
+    """
+    ram = policy.ram
+    raw: dict[str, Any] = {
+        "job_id": job_id,
+        "policy": policy.name,
+        "namespace": namespace,
+        "ram": {
+            "path": DEFAULT_RAM_DIR,
+            "medium": ram.get("medium", "Memory"),
+            "size_limit_bytes": ram_bytes,
+            **({"keep": ram["keep"]} if ram.get("keep") else {}),
+            **({"every": _interval(ram["every"])} if _interval(ram.get("every")) else {}),
+        },
+        "report": _report_config(settings),
+        "termination_grace_seconds": grace_seconds,
+        "metrics_port": settings.metrics_port,
+    }
+    pvc = policy.pvc
+    if pvc:
+        raw["pvc"] = {
+            "path": DEFAULT_PVC_DIR,
+            "claim_name": pvc.get("claimName"),
+            **({"sub_path": pvc["subPath"]} if pvc.get("subPath") else {}),
+            **({"keep": pvc["keep"]} if pvc.get("keep") else {}),
+            **({"every": _interval(pvc["every"])} if _interval(pvc.get("every")) else {}),
+        }
+    gcs = policy._section("tiers", "gcs")
+    if gcs:
+        raw["gcs"] = {
+            k2: gcs[k1]
+            for k1, k2 in (("bucket", "bucket"), ("prefix", "prefix"), ("keep", "keep"))
+            if gcs.get(k1) is not None
+        }
+        if _interval(gcs.get("every")):
+            raw["gcs"]["every"] = _interval(gcs["every"])
+    restore = policy._section("restore")
+    if restore:
+        raw["restore"] = {
+            k2: restore[k1]
+            for k1, k2 in (
+                ("order", "order"),
+                ("verify", "verify"),
+                ("allowFreshStart", "allow_fresh_start"),
+            )
+            if restore.get(k1) is not None
+        }
+    try:
+        return SidecarConfig.parse(raw)
+    except ConfigError as exc:
+        raise InjectionError(f"CheckpointPolicy {namespace}/{policy.name}: {exc}") from None
+
+
+def _report_config(settings: InjectionSettings) -> dict[str, Any]:
+    return {
+        "endpoint": settings.report_endpoint,
+        "token_path": f"{TOKEN_DIR}/{TOKEN_FILE}",
+        "ca_path": f"{TOKEN_DIR}/{CA_FILE}" if settings.report_ca_pem else None,
+    }
+
+
+ConfigBuilder = Callable[..., SidecarConfig]
+
+
+# ---------------------------------------------------------------------------------------------
+# The pod patch
+
+
+def build_pod_patch(
+    pod: Mapping[str, Any],
+    policy: Any,
+    settings: InjectionSettings,
+    *,
+    namespace: str | None = None,
+    policy_name: str | None = None,
+    config_builder: ConfigBuilder | None = None,
+) -> list[JSONPatchOp]:
+    """JSON patch (RFC 6902 ops, in order) that injects Strata into ``pod``; ``[]`` if nothing to add.
+
+    ``pod``: the pod as in the admission request (``generateName`` pods have no name yet).
+    ``policy``: the ``CheckpointPolicy`` (dict or model; full object or spec with ``policy_name``).
+    ``namespace``: the admission request's namespace (pods being created may lack
+    ``metadata.namespace``). ``config_builder(policy=..., job_id=..., namespace=..., settings=...,
+    grace_seconds=..., ram_bytes=...)`` builds the :class:`SidecarConfig`; default
+    :func:`default_sidecar_config`.
+
+    Raises :class:`InjectionError` when the pod cannot be injected (a container already uses the
+    sidecar's name, an invalid run id, an invalid quantity in the policy).
+    """
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+    ns = namespace or meta.get("namespace") or "default"
+    view = PolicyView.of(policy, policy_name or labels.get(POLICY_LABEL))
+    pod_desc = f"pod {ns}/{meta.get('name') or (meta.get('generateName') or '') + '<generated>'}"
+
+    containers: list[Obj] = list(spec.get("containers") or [])
+    init_containers: list[Obj] = list(spec.get("initContainers") or [])
+    if any(c.get("name") == SIDECAR_NAME for c in containers):
+        raise InjectionError(
+            f"{pod_desc}: a training container is named {SIDECAR_NAME!r}, the name of the Strata "
+            f"sidecar; rename it or remove the label {POLICY_LABEL}"
+        )
+
+    ram = view.ram
+    medium = ram.get("medium", "Memory")
+    if medium not in ("Memory", "HostPath"):
+        raise InjectionError(
+            f"CheckpointPolicy {ns}/{view.name}: spec.tiers.ram.medium={medium!r}; "
+            "use Memory or HostPath"
+        )
+    ram_bytes = parse_quantity(
+        ram.get("sizeLimit") or settings.default_ram_size_limit,
+        what=f"CheckpointPolicy {ns}/{view.name} spec.tiers.ram.sizeLimit",
+    )
+    sidecar_spec = view.sidecar
+    existing_grace = spec.get("terminationGracePeriodSeconds")
+    policy_grace = sidecar_spec.get("terminationGracePeriodSeconds")
+    grace = max(int(existing_grace or 30), int(policy_grace or 0))
+
+    job_id = job_id_for(pod, ns)
+    builder = config_builder or default_sidecar_config
+    config = builder(
+        policy=view,
+        job_id=job_id,
+        namespace=ns,
+        settings=settings,
+        grace_seconds=grace,
+        ram_bytes=ram_bytes,
+    )
+    env = _identity_env(labels, config)
+    ops: list[JSONPatchOp] = []
+
+    # metadata: marker and report CA (projected into the token volume by the downward API)
+    wanted_annotations = {INJECTED_ANNOTATION: view.name}
+    if settings.report_ca_pem:
+        wanted_annotations[REPORT_CA_ANNOTATION] = settings.report_ca_pem
+    missing = {k: v for k, v in wanted_annotations.items() if k not in annotations}
+    if missing and not meta.get("annotations"):
+        ops.append({"op": "add", "path": "/metadata/annotations", "value": missing})
+    else:
+        ops += [
+            {"op": "add", "path": f"/metadata/annotations/{escape_pointer(k)}", "value": v}
+            for k, v in missing.items()
+        ]
+
+    # volumes
+    volumes = list(spec.get("volumes") or [])
+    have_volumes = {v.get("name") for v in volumes}
+    new_volumes = [
+        v for v in _volumes(view, settings, ram_bytes, medium) if v["name"] not in have_volumes
+    ]
+    ops += _add_items("/spec/volumes", bool(spec.get("volumes")), new_volumes)
+
+    # terminationGracePeriodSeconds: raised, never lowered
+    if existing_grace is None or int(existing_grace) < grace:
+        op = "replace" if "terminationGracePeriodSeconds" in spec else "add"
+        ops.append({"op": op, "path": "/spec/terminationGracePeriodSeconds", "value": grace})
+
+    # the native sidecar, after the existing init containers
+    if not any(c.get("name") == SIDECAR_NAME for c in init_containers):
+        sidecar = _sidecar_container(
+            spec, view, settings, env, ram_bytes, config, pvc=view.pvc is not None
+        )
+        ops += _add_items("/spec/initContainers", bool(init_containers), [sidecar])
+
+    # env and mounts of every training container
+    mounts = _training_mounts(view)
+    for i, container in enumerate(containers):
+        base = f"/spec/containers/{i}"
+        have_env = {e.get("name") for e in container.get("env") or []}
+        ops += _add_items(
+            f"{base}/env", bool(container.get("env")), [e for e in env if e["name"] not in have_env]
+        )
+        have_mounts = container.get("volumeMounts") or []
+        used_paths = {m.get("mountPath") for m in have_mounts}
+        used_names = {m.get("name") for m in have_mounts}
+        new_mounts = [
+            m for m in mounts if m["mountPath"] not in used_paths and m["name"] not in used_names
+        ]
+        ops += _add_items(f"{base}/volumeMounts", bool(have_mounts), new_mounts)
+    return ops
+
+
+def _add_items(path: str, exists: bool, items: list[Obj]) -> list[JSONPatchOp]:
+    """Append ``items`` to the list at ``path``, creating the list when absent or empty."""
+    if not items:
+        return []
+    if not exists:
+        return [{"op": "add", "path": path, "value": items}]
+    return [{"op": "add", "path": f"{path}/-", "value": item} for item in items]
+
+
+def _identity_env(labels: Mapping[str, str], config: SidecarConfig) -> list[Obj]:
+    env: list[Obj] = [{"name": k, "value": v} for k, v in config.to_env().items()]
+    env += [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+        for name, path in POD_FIELD_ENV
+    ]
+    env += [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}}
+        for name, label in RANK_LABELS
+        if label in labels
+    ]
+    return env
+
+
+def _volumes(
+    view: PolicyView, settings: InjectionSettings, ram_bytes: int, medium: str
+) -> list[Obj]:
+    if medium == "HostPath":
+        host_path = view.ram.get("hostPath") or settings.host_path_root
+        ram_volume: Obj = {
+            "name": RAM_VOLUME,
+            "hostPath": {"path": host_path, "type": "DirectoryOrCreate"},
+        }
+    else:
+        ram_volume = {
+            "name": RAM_VOLUME,
+            "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(ram_bytes)},
+        }
+    volumes = [ram_volume]
+    pvc = view.pvc
+    if pvc is not None:
+        claim = pvc.get("claimName")
+        if not claim:
+            raise InjectionError(
+                f"CheckpointPolicy {view.name}: spec.tiers.pvc.claimName is required when the PVC "
+                "tier is set"
+            )
+        volumes.append({"name": PVC_VOLUME, "persistentVolumeClaim": {"claimName": claim}})
+    sources: list[Obj] = [
+        {
+            "serviceAccountToken": {
+                "audience": settings.report_audience,
+                "expirationSeconds": settings.token_expiration_seconds,
+                "path": TOKEN_FILE,
+            }
+        }
+    ]
+    if settings.report_ca_pem:
+        ref = f"metadata.annotations['{REPORT_CA_ANNOTATION}']"
+        sources.append(
+            {"downwardAPI": {"items": [{"path": CA_FILE, "fieldRef": {"fieldPath": ref}}]}}
+        )
+    volumes.append({"name": TOKEN_VOLUME, "projected": {"sources": sources, "defaultMode": 0o444}})
+    return volumes
+
+
+def _training_mounts(view: PolicyView) -> list[Obj]:
+    mounts: list[Obj] = [{"name": RAM_VOLUME, "mountPath": DEFAULT_RAM_DIR}]
+    pvc = view.pvc
+    if pvc is not None:
+        mount: Obj = {"name": PVC_VOLUME, "mountPath": DEFAULT_PVC_DIR}
+        if pvc.get("subPath"):
+            mount["subPath"] = pvc["subPath"]
+        mounts.append(mount)
+    return mounts
+
+
+def _sidecar_resources(
+    sidecar_spec: Mapping[str, Any], settings: InjectionSettings, ram_bytes: int
+) -> Obj:
+    """Requests/limits: the policy's ``spec.sidecar.resources`` for the process, plus the RAM tier.
+
+    Memory request = limit = RAM ``sizeLimit`` + the process memory (policy, else the overhead
+    setting): the pre-faulted slots are charged to the sidecar, and an equal request keeps the
+    scheduler honest about it. No CPU limit: throttling would stretch promotions (RPO).
+    """
+    resources = _as_plain(sidecar_spec.get("resources")) or {}
+    requests = dict(resources.get("requests") or {})
+    limits = dict(resources.get("limits") or {})
+    process_memory = limits.get("memory") or requests.get("memory") or settings.memory_overhead
+    total = ram_bytes + parse_quantity(process_memory, what="spec.sidecar.resources memory")
+    requests.setdefault("cpu", settings.cpu_request)
+    requests["memory"] = format_bytes(total)
+    limits["memory"] = format_bytes(total)
+    return {"requests": requests, "limits": limits}
+
+
+def _sidecar_container(
+    pod_spec: Mapping[str, Any],
+    view: PolicyView,
+    settings: InjectionSettings,
+    env: list[Obj],
+    ram_bytes: int,
+    config: SidecarConfig,
+    *,
+    pvc: bool,
+) -> Obj:
+    port = config.metrics_port or settings.metrics_port
+    startup_budget = 30 + math.ceil(ram_bytes / (1 << 30) * settings.startup_seconds_per_gib)
+    period = 2
+    security: Obj = {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    pod_security = pod_spec.get("securityContext") or {}
+    if not pod_security.get("runAsUser"):
+        # Without a numeric UID, runAsNonRoot needs the image's USER to be numeric; be explicit.
+        security["runAsUser"] = settings.run_as_user
+    mounts: list[Obj] = [{"name": RAM_VOLUME, "mountPath": config.ram.path}]
+    if pvc and config.pvc is not None:
+        mount: Obj = {"name": PVC_VOLUME, "mountPath": config.pvc.path}
+        if view.pvc and view.pvc.get("subPath"):
+            mount["subPath"] = view.pvc["subPath"]
+        mounts.append(mount)
+    mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
+    container: Obj = {
+        "name": SIDECAR_NAME,
+        "image": view.sidecar.get("image") or settings.sidecar_image,
+        "command": list(settings.sidecar_command),
+        "restartPolicy": "Always",
+        "env": env,
+        "resources": _sidecar_resources(view.sidecar, settings, ram_bytes),
+        "securityContext": security,
+        "volumeMounts": mounts,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if port:
+        container["startupProbe"] = {
+            "httpGet": {"path": "/healthz", "port": port},
+            "periodSeconds": period,
+            "failureThreshold": max(1, math.ceil(startup_budget / period)),
+            "timeoutSeconds": 1,
+        }
+        if not pod_spec.get("hostNetwork"):
+            # With hostNetwork every declared port must also be a hostPort (API validation), which
+            # the baseline PSS forbids; the probe needs no declared port.
+            container["ports"] = [
+                {"name": METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}
+            ]
+    return container
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads (JobSet, PyTorchJob, Job)
+
+WORKLOAD_KINDS = ("JobSet", "PyTorchJob", "Job")
+
+
+def pod_template_paths(obj: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """``(JSON pointer, template)`` of every pod template of a JobSet, PyTorchJob or Job.
+
+    JobSet: ``spec.replicatedJobs[i].template.spec.template``; PyTorchJob:
+    ``spec.pytorchReplicaSpecs.<type>.template``; Job: ``spec.template``.
+    """
+    kind = obj.get("kind")
+    spec = obj.get("spec") or {}
+    out: list[tuple[str, Mapping[str, Any]]] = []
+    if kind == "JobSet":
+        for i, rjob in enumerate(spec.get("replicatedJobs") or []):
+            tmpl = (((rjob or {}).get("template") or {}).get("spec") or {}).get("template")
+            if isinstance(tmpl, Mapping):
+                out.append((f"/spec/replicatedJobs/{i}/template/spec/template", tmpl))
+    elif kind == "PyTorchJob":
+        for rtype, rspec in (spec.get("pytorchReplicaSpecs") or {}).items():
+            tmpl = (rspec or {}).get("template")
+            if isinstance(tmpl, Mapping):
+                out.append((f"/spec/pytorchReplicaSpecs/{escape_pointer(rtype)}/template", tmpl))
+    elif kind == "Job":
+        tmpl = spec.get("template")
+        if isinstance(tmpl, Mapping):
+            out.append(("/spec/template", tmpl))
+    else:
+        raise InjectionError(
+            f"unsupported workload kind {kind!r}; expected one of {WORKLOAD_KINDS}"
+        )
+    return out
+
+
+def build_workload_patch(obj: Mapping[str, Any]) -> list[JSONPatchOp]:
+    """Label every pod template of an annotated workload with ``strata.dev/policy: <name>``.
+
+    The policy comes from the workload's ``strata.dev/policy`` annotation; no annotation: ``[]``.
+    The workload's ``strata.dev/run-id`` annotation is copied to the templates too (pods do not
+    inherit workload annotations). Templates already labelled keep their label. Idempotent.
+    """
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    policy = annotations.get(POLICY_LABEL)
+    if not policy:
+        return []
+    run_id = annotations.get(RUN_ID_ANNOTATION)
+    ops: list[JSONPatchOp] = []
+    for path, tmpl in pod_template_paths(obj):
+        tmeta = tmpl.get("metadata")
+        if not isinstance(tmeta, Mapping):
+            value: Obj = {"labels": {POLICY_LABEL: policy}}
+            if run_id:
+                value["annotations"] = {RUN_ID_ANNOTATION: run_id}
+            ops.append({"op": "add", "path": f"{path}/metadata", "value": value})
+            continue
+        for field, key, val in (
+            ("labels", POLICY_LABEL, policy),
+            ("annotations", RUN_ID_ANNOTATION, run_id),
+        ):
+            if not val:
+                continue
+            current = tmeta.get(field)
+            if not current:
+                ops.append({"op": "add", "path": f"{path}/metadata/{field}", "value": {key: val}})
+            elif key not in current:
+                ops.append(
+                    {
+                        "op": "add",
+                        "path": f"{path}/metadata/{field}/{escape_pointer(key)}",
+                        "value": val,
+                    }
+                )
+    return ops
+
+
+def describe_patch(ops: list[JSONPatchOp]) -> str:
+    """A short human summary of a patch for logs (paths only)."""
+    return json.dumps([f"{o['op']} {o['path']}" for o in ops])
