@@ -55,14 +55,20 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from strata.config import DEFAULT_PVC_DIR, DEFAULT_RAM_DIR, ConfigError, SidecarConfig
+from strata.config import SidecarConfig
+from strata_operator.api import (
+    DEFAULT_HOST_PATH,
+    DEFAULT_SIDECAR_IMAGE,
+    CheckpointPolicySpec,
+    quantity_bytes,
+    to_sidecar_config,
+)
 
 JSONPatchOp = dict[str, Any]
 Obj = dict[str, Any]
@@ -120,7 +126,8 @@ class InjectionSettings:
     policy has one (sidecar image, resources, grace period, RAM size).
     """
 
-    sidecar_image: str = "ghcr.io/strata-dev/strata:0.1.0"
+    sidecar_image: str = DEFAULT_SIDECAR_IMAGE
+    """Image of the sidecar unless the policy names one (``spec.sidecar.image``)."""
     sidecar_command: tuple[str, ...] = ("strata", "sidecar")
     report_endpoint: str | None = None
     """Base URL of the operator's report receiver, e.g. ``https://strata.strata-system.svc:8444``."""
@@ -133,11 +140,6 @@ class InjectionSettings:
     memory_overhead: str = "256Mi"
     """Sidecar memory on top of the RAM tier (Python, buffers of promotions)."""
     cpu_request: str = "250m"
-    default_ram_size_limit: str = "1Gi"
-    """RAM tier size when the policy gives none (an emptyDir always gets a sizeLimit: C-12)."""
-    host_path_root: str = "/dev/shm/strata"
-    """Node tmpfs directory of the ``HostPath`` medium."""
-    metrics_port: int = 9464
     run_as_user: int = 65532
     """UID of the sidecar when neither the pod nor the policy sets one (non-root: restricted PSS)."""
     startup_seconds_per_gib: float = 2.0
@@ -153,17 +155,6 @@ def escape_pointer(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
-def parse_quantity(value: str | int | float, *, what: str) -> int:
-    """A Kubernetes quantity (``"8Gi"``, ``"1.5G"``, ``1024``) as whole bytes (rounded up)."""
-    from kubernetes.utils.quantity import parse_quantity as _parse
-
-    try:
-        parsed = _parse(value)  # type: ignore[no-untyped-call]
-    except ValueError as exc:
-        raise InjectionError(f"{what}: {value!r} is not a Kubernetes quantity ({exc})") from None
-    return math.ceil(Decimal(parsed))
-
-
 def format_bytes(n: int) -> str:
     """Bytes as the shortest exact binary quantity (``1073741824`` -> ``"1Gi"``)."""
     for suffix, size in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
@@ -174,53 +165,48 @@ def format_bytes(n: int) -> str:
 
 def _as_plain(obj: Any) -> Any:
     if isinstance(obj, BaseModel):
-        return obj.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return obj.model_dump(mode="json", by_alias=True, exclude_unset=True)
     return obj
 
 
 @dataclass(frozen=True)
 class PolicyView:
-    """The parts of a ``CheckpointPolicy`` the mutation reads, in the CR's camelCase form."""
+    """A validated ``CheckpointPolicy`` spec and the policy's name."""
 
     name: str
-    spec: Mapping[str, Any]
+    spec: CheckpointPolicySpec
 
     @classmethod
-    def of(cls, policy: Any, name: str | None = None) -> PolicyView:
-        """Accept a CheckpointPolicy object (dict or model with ``metadata``/``spec``) or a spec."""
-        plain = _as_plain(policy)
-        if not isinstance(plain, Mapping):
-            raise InjectionError(
-                f"policy must be a mapping or a pydantic model, got {type(policy)}"
-            )
-        if "spec" in plain:
-            meta = plain.get("metadata") or {}
-            spec = _as_plain(plain["spec"]) or {}
-            name = name or meta.get("name")
+    def of(cls, policy: Any, name: str | None = None, namespace: str = "") -> PolicyView:
+        """Accept a CheckpointPolicy object (dict with ``metadata``/``spec``), a spec dict, or
+        a :class:`CheckpointPolicySpec`; :class:`InjectionError` naming each bad field."""
+        if isinstance(policy, CheckpointPolicySpec):
+            spec_raw: Any = policy
         else:
-            spec = plain
+            plain = _as_plain(policy)
+            if not isinstance(plain, Mapping):
+                raise InjectionError(f"policy must be a mapping or a model, got {type(policy)}")
+            if "spec" in plain:
+                name = name or (plain.get("metadata") or {}).get("name")
+                spec_raw = plain["spec"]
+            else:
+                spec_raw = plain
         if not name:
             raise InjectionError("the CheckpointPolicy has no name (metadata.name)")
+        if isinstance(spec_raw, CheckpointPolicySpec):
+            return cls(name=str(name), spec=spec_raw)
+        try:
+            spec = CheckpointPolicySpec.model_validate(_as_plain(spec_raw) or {})
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors()
+            )
+            where = f"{namespace}/{name}" if namespace else str(name)
+            raise InjectionError(
+                f"CheckpointPolicy {where} is invalid ({problems}); fix the policy"
+            ) from None
         return cls(name=str(name), spec=spec)
-
-    def _section(self, *path: str) -> Mapping[str, Any]:
-        node: Any = self.spec
-        for key in path:
-            node = node.get(key) if isinstance(node, Mapping) else None
-        return node if isinstance(node, Mapping) else {}
-
-    @property
-    def ram(self) -> Mapping[str, Any]:
-        return self._section("tiers", "ram")
-
-    @property
-    def pvc(self) -> Mapping[str, Any] | None:
-        pvc = self._section("tiers", "pvc")
-        return pvc or None
-
-    @property
-    def sidecar(self) -> Mapping[str, Any]:
-        return self._section("sidecar")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,103 +248,6 @@ def job_id_for(pod: Mapping[str, Any], namespace: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sidecar configuration
-
-
-def _interval(value: Any) -> dict[str, Any] | None:
-    """Policy ``every`` (an int of steps, or ``{steps, seconds|duration}``) -> Interval fields."""
-    if value is None:
-        return None
-    if isinstance(value, int):
-        return {"steps": value}
-    if isinstance(value, Mapping):
-        out: dict[str, Any] = {}
-        if value.get("steps") is not None:
-            out["steps"] = value["steps"]
-        if value.get("seconds") is not None:
-            out["seconds"] = value["seconds"]
-        return out
-    return None
-
-
-def default_sidecar_config(
-    policy: PolicyView,
-    *,
-    job_id: str,
-    namespace: str,
-    settings: InjectionSettings,
-    grace_seconds: int,
-    ram_bytes: int,
-) -> SidecarConfig:
-    """Build the :class:`SidecarConfig` of a pod from the policy's CR form.
-
-    :func:`strata_operator.api.to_sidecar_config` is used instead when the webhook passes it as
-    ``config_builder`` (the typed models are the single source of truth); this one only reads the
-    fields the CR form shares with it, so that the mutation stays usable on plain dicts.
-    """
-    ram = policy.ram
-    raw: dict[str, Any] = {
-        "job_id": job_id,
-        "policy": policy.name,
-        "namespace": namespace,
-        "ram": {
-            "path": DEFAULT_RAM_DIR,
-            "medium": ram.get("medium", "Memory"),
-            "size_limit_bytes": ram_bytes,
-            **({"keep": ram["keep"]} if ram.get("keep") else {}),
-            **({"every": _interval(ram["every"])} if _interval(ram.get("every")) else {}),
-        },
-        "report": _report_config(settings),
-        "termination_grace_seconds": grace_seconds,
-        "metrics_port": settings.metrics_port,
-    }
-    pvc = policy.pvc
-    if pvc:
-        raw["pvc"] = {
-            "path": DEFAULT_PVC_DIR,
-            "claim_name": pvc.get("claimName"),
-            **({"sub_path": pvc["subPath"]} if pvc.get("subPath") else {}),
-            **({"keep": pvc["keep"]} if pvc.get("keep") else {}),
-            **({"every": _interval(pvc["every"])} if _interval(pvc.get("every")) else {}),
-        }
-    gcs = policy._section("tiers", "gcs")
-    if gcs:
-        raw["gcs"] = {
-            k2: gcs[k1]
-            for k1, k2 in (("bucket", "bucket"), ("prefix", "prefix"), ("keep", "keep"))
-            if gcs.get(k1) is not None
-        }
-        if _interval(gcs.get("every")):
-            raw["gcs"]["every"] = _interval(gcs["every"])
-    restore = policy._section("restore")
-    if restore:
-        raw["restore"] = {
-            k2: restore[k1]
-            for k1, k2 in (
-                ("order", "order"),
-                ("verify", "verify"),
-                ("allowFreshStart", "allow_fresh_start"),
-            )
-            if restore.get(k1) is not None
-        }
-    try:
-        return SidecarConfig.parse(raw)
-    except ConfigError as exc:
-        raise InjectionError(f"CheckpointPolicy {namespace}/{policy.name}: {exc}") from None
-
-
-def _report_config(settings: InjectionSettings) -> dict[str, Any]:
-    return {
-        "endpoint": settings.report_endpoint,
-        "token_path": f"{TOKEN_DIR}/{TOKEN_FILE}",
-        "ca_path": f"{TOKEN_DIR}/{CA_FILE}" if settings.report_ca_pem else None,
-    }
-
-
-ConfigBuilder = Callable[..., SidecarConfig]
-
-
-# ---------------------------------------------------------------------------------------------
 # The pod patch
 
 
@@ -369,27 +258,27 @@ def build_pod_patch(
     *,
     namespace: str | None = None,
     policy_name: str | None = None,
-    config_builder: ConfigBuilder | None = None,
 ) -> list[JSONPatchOp]:
     """JSON patch (RFC 6902 ops, in order) that injects Strata into ``pod``; ``[]`` if nothing to add.
 
     ``pod``: the pod as in the admission request (``generateName`` pods have no name yet).
-    ``policy``: the ``CheckpointPolicy`` (dict or model; full object or spec with ``policy_name``).
-    ``namespace``: the admission request's namespace (pods being created may lack
-    ``metadata.namespace``). ``config_builder(policy=..., job_id=..., namespace=..., settings=...,
-    grace_seconds=..., ram_bytes=...)`` builds the :class:`SidecarConfig`; default
-    :func:`default_sidecar_config`.
+    ``policy``: the ``CheckpointPolicy`` (object dict, spec dict, or
+    :class:`~strata_operator.api.CheckpointPolicySpec` with ``policy_name``); the name defaults
+    to the pod's ``strata.dev/policy`` label. ``namespace``: the admission request's namespace
+    (pods being created may lack ``metadata.namespace``).
 
     Raises :class:`InjectionError` when the pod cannot be injected (a container already uses the
-    sidecar's name, an invalid run id, an invalid quantity in the policy).
+    sidecar's name, an invalid run id, an invalid policy).
     """
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
     ns = namespace or meta.get("namespace") or "default"
-    view = PolicyView.of(policy, policy_name or labels.get(POLICY_LABEL))
-    pod_desc = f"pod {ns}/{meta.get('name') or (meta.get('generateName') or '') + '<generated>'}"
+    view = PolicyView.of(policy, policy_name or labels.get(POLICY_LABEL), ns)
+    pol = view.spec
+    name = meta.get("name") or f"{meta.get('generateName') or ''}<generated>"
+    pod_desc = f"pod {ns}/{name}"
 
     containers: list[Obj] = list(spec.get("containers") or [])
     init_containers: list[Obj] = list(spec.get("initContainers") or [])
@@ -399,32 +288,23 @@ def build_pod_patch(
             f"sidecar; rename it or remove the label {POLICY_LABEL}"
         )
 
-    ram = view.ram
-    medium = ram.get("medium", "Memory")
-    if medium not in ("Memory", "HostPath"):
-        raise InjectionError(
-            f"CheckpointPolicy {ns}/{view.name}: spec.tiers.ram.medium={medium!r}; "
-            "use Memory or HostPath"
-        )
-    ram_bytes = parse_quantity(
-        ram.get("sizeLimit") or settings.default_ram_size_limit,
-        what=f"CheckpointPolicy {ns}/{view.name} spec.tiers.ram.sizeLimit",
-    )
-    sidecar_spec = view.sidecar
+    ram_bytes = quantity_bytes(pol.tiers.ram.size_limit)
     existing_grace = spec.get("terminationGracePeriodSeconds")
-    policy_grace = sidecar_spec.get("terminationGracePeriodSeconds")
-    grace = max(int(existing_grace or 30), int(policy_grace or 0))
+    grace = max(int(existing_grace or 30), pol.sidecar.termination_grace_period_seconds or 0)
 
     job_id = job_id_for(pod, ns)
-    builder = config_builder or default_sidecar_config
-    config = builder(
-        policy=view,
-        job_id=job_id,
-        namespace=ns,
-        settings=settings,
-        grace_seconds=grace,
-        ram_bytes=ram_bytes,
-    )
+    try:
+        config = to_sidecar_config(
+            pol,
+            job_id,
+            policy=view.name,
+            namespace=ns,
+            report_endpoint=settings.report_endpoint,
+            report_ca_path=f"{TOKEN_DIR}/{CA_FILE}" if settings.report_ca_pem else None,
+            termination_grace_seconds=float(grace),
+        )
+    except ValidationError as exc:
+        raise InjectionError(f"{pod_desc}: cannot build the sidecar configuration: {exc}") from None
     env = _identity_env(labels, config)
     ops: list[JSONPatchOp] = []
 
@@ -442,11 +322,8 @@ def build_pod_patch(
         ]
 
     # volumes
-    volumes = list(spec.get("volumes") or [])
-    have_volumes = {v.get("name") for v in volumes}
-    new_volumes = [
-        v for v in _volumes(view, settings, ram_bytes, medium) if v["name"] not in have_volumes
-    ]
+    have_volumes = {v.get("name") for v in spec.get("volumes") or []}
+    new_volumes = [v for v in _volumes(pol, settings, ram_bytes) if v["name"] not in have_volumes]
     ops += _add_items("/spec/volumes", bool(spec.get("volumes")), new_volumes)
 
     # terminationGracePeriodSeconds: raised, never lowered
@@ -456,13 +333,11 @@ def build_pod_patch(
 
     # the native sidecar, after the existing init containers
     if not any(c.get("name") == SIDECAR_NAME for c in init_containers):
-        sidecar = _sidecar_container(
-            spec, view, settings, env, ram_bytes, config, pvc=view.pvc is not None
-        )
+        sidecar = _sidecar_container(spec, pol, settings, env, ram_bytes, config)
         ops += _add_items("/spec/initContainers", bool(init_containers), [sidecar])
 
     # env and mounts of every training container
-    mounts = _training_mounts(view)
+    mounts = _tier_mounts(pol, config)
     for i, container in enumerate(containers):
         base = f"/spec/containers/{i}"
         have_env = {e.get("name") for e in container.get("env") or []}
@@ -502,14 +377,12 @@ def _identity_env(labels: Mapping[str, str], config: SidecarConfig) -> list[Obj]
     return env
 
 
-def _volumes(
-    view: PolicyView, settings: InjectionSettings, ram_bytes: int, medium: str
-) -> list[Obj]:
-    if medium == "HostPath":
-        host_path = view.ram.get("hostPath") or settings.host_path_root
+def _volumes(pol: CheckpointPolicySpec, settings: InjectionSettings, ram_bytes: int) -> list[Obj]:
+    ram = pol.tiers.ram
+    if ram.medium == "HostPath":
         ram_volume: Obj = {
             "name": RAM_VOLUME,
-            "hostPath": {"path": host_path, "type": "DirectoryOrCreate"},
+            "hostPath": {"path": ram.host_path or DEFAULT_HOST_PATH, "type": "DirectoryOrCreate"},
         }
     else:
         ram_volume = {
@@ -517,14 +390,8 @@ def _volumes(
             "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(ram_bytes)},
         }
     volumes = [ram_volume]
-    pvc = view.pvc
-    if pvc is not None:
-        claim = pvc.get("claimName")
-        if not claim:
-            raise InjectionError(
-                f"CheckpointPolicy {view.name}: spec.tiers.pvc.claimName is required when the PVC "
-                "tier is set"
-            )
+    if pol.tiers.pvc is not None:
+        claim = pol.tiers.pvc.claim_name
         volumes.append({"name": PVC_VOLUME, "persistentVolumeClaim": {"claimName": claim}})
     sources: list[Obj] = [
         {
@@ -544,31 +411,30 @@ def _volumes(
     return volumes
 
 
-def _training_mounts(view: PolicyView) -> list[Obj]:
-    mounts: list[Obj] = [{"name": RAM_VOLUME, "mountPath": DEFAULT_RAM_DIR}]
-    pvc = view.pvc
-    if pvc is not None:
-        mount: Obj = {"name": PVC_VOLUME, "mountPath": DEFAULT_PVC_DIR}
-        if pvc.get("subPath"):
-            mount["subPath"] = pvc["subPath"]
+def _tier_mounts(pol: CheckpointPolicySpec, config: SidecarConfig) -> list[Obj]:
+    mounts: list[Obj] = [{"name": RAM_VOLUME, "mountPath": config.ram.path}]
+    if pol.tiers.pvc is not None and config.pvc is not None:
+        mount: Obj = {"name": PVC_VOLUME, "mountPath": config.pvc.path}
+        if pol.tiers.pvc.sub_path:
+            mount["subPath"] = pol.tiers.pvc.sub_path
         mounts.append(mount)
     return mounts
 
 
 def _sidecar_resources(
-    sidecar_spec: Mapping[str, Any], settings: InjectionSettings, ram_bytes: int
+    pol: CheckpointPolicySpec, settings: InjectionSettings, ram_bytes: int
 ) -> Obj:
     """Requests/limits: the policy's ``spec.sidecar.resources`` for the process, plus the RAM tier.
 
-    Memory request = limit = RAM ``sizeLimit`` + the process memory (policy, else the overhead
-    setting): the pre-faulted slots are charged to the sidecar, and an equal request keeps the
-    scheduler honest about it. No CPU limit: throttling would stretch promotions (RPO).
+    Memory request = limit = RAM ``sizeLimit`` + the process memory (the policy's memory limit or
+    request, else the overhead setting): the pre-faulted slots are charged to the sidecar, and an
+    equal request keeps the scheduler honest about it. No CPU limit unless the policy sets one:
+    throttling would stretch promotions (RPO).
     """
-    resources = _as_plain(sidecar_spec.get("resources")) or {}
-    requests = dict(resources.get("requests") or {})
-    limits = dict(resources.get("limits") or {})
+    requests = dict(pol.sidecar.resources.requests)
+    limits = dict(pol.sidecar.resources.limits)
     process_memory = limits.get("memory") or requests.get("memory") or settings.memory_overhead
-    total = ram_bytes + parse_quantity(process_memory, what="spec.sidecar.resources memory")
+    total = ram_bytes + quantity_bytes(process_memory)
     requests.setdefault("cpu", settings.cpu_request)
     requests["memory"] = format_bytes(total)
     limits["memory"] = format_bytes(total)
@@ -577,15 +443,13 @@ def _sidecar_resources(
 
 def _sidecar_container(
     pod_spec: Mapping[str, Any],
-    view: PolicyView,
+    pol: CheckpointPolicySpec,
     settings: InjectionSettings,
     env: list[Obj],
     ram_bytes: int,
     config: SidecarConfig,
-    *,
-    pvc: bool,
 ) -> Obj:
-    port = config.metrics_port or settings.metrics_port
+    port = config.metrics_port
     startup_budget = 30 + math.ceil(ram_bytes / (1 << 30) * settings.startup_seconds_per_gib)
     period = 2
     security: Obj = {
@@ -598,37 +462,30 @@ def _sidecar_container(
     if not pod_security.get("runAsUser"):
         # Without a numeric UID, runAsNonRoot needs the image's USER to be numeric; be explicit.
         security["runAsUser"] = settings.run_as_user
-    mounts: list[Obj] = [{"name": RAM_VOLUME, "mountPath": config.ram.path}]
-    if pvc and config.pvc is not None:
-        mount: Obj = {"name": PVC_VOLUME, "mountPath": config.pvc.path}
-        if view.pvc and view.pvc.get("subPath"):
-            mount["subPath"] = view.pvc["subPath"]
-        mounts.append(mount)
+    mounts = _tier_mounts(pol, config)
     mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
+    image_set = "image" in pol.sidecar.model_fields_set
     container: Obj = {
         "name": SIDECAR_NAME,
-        "image": view.sidecar.get("image") or settings.sidecar_image,
+        "image": pol.sidecar.image if image_set else settings.sidecar_image,
         "command": list(settings.sidecar_command),
         "restartPolicy": "Always",
         "env": env,
-        "resources": _sidecar_resources(view.sidecar, settings, ram_bytes),
+        "resources": _sidecar_resources(pol, settings, ram_bytes),
         "securityContext": security,
         "volumeMounts": mounts,
         "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
-    if port:
-        container["startupProbe"] = {
+        "startupProbe": {
             "httpGet": {"path": "/healthz", "port": port},
             "periodSeconds": period,
             "failureThreshold": max(1, math.ceil(startup_budget / period)),
             "timeoutSeconds": 1,
-        }
-        if not pod_spec.get("hostNetwork"):
-            # With hostNetwork every declared port must also be a hostPort (API validation), which
-            # the baseline PSS forbids; the probe needs no declared port.
-            container["ports"] = [
-                {"name": METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}
-            ]
+        },
+    }
+    if not pod_spec.get("hostNetwork"):
+        # With hostNetwork every declared port must also be a hostPort (API validation), which
+        # the baseline PSS forbids; the probe needs no declared port.
+        container["ports"] = [{"name": METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}]
     return container
 
 

@@ -9,6 +9,7 @@ import jsonpatch
 import pytest
 
 from strata.config import SidecarConfig
+from strata_operator.api import DEFAULT_HOST_PATH
 from strata_operator.mutation import (
     INJECTED_ANNOTATION,
     PVC_VOLUME,
@@ -183,14 +184,14 @@ def test_restricted_pod_stays_restricted() -> None:
 def test_hostpath_medium_is_flagged_by_the_checker() -> None:
     pod = inject(training_pod().restricted().obj(), policy_obj(medium="HostPath"))
     vol = next(v for v in pod["spec"]["volumes"] if v["name"] == RAM_VOLUME)
-    assert vol["hostPath"]["path"] == SETTINGS.host_path_root
+    assert vol["hostPath"]["path"] == DEFAULT_HOST_PATH
     assert any("hostPath" in p for p in restricted_violations(pod))
 
 
 def test_host_network_pod_gets_no_container_port() -> None:
     pod = inject(training_pod().spec_field("hostNetwork", True).obj())
     assert "ports" not in sidecar_of(pod)
-    assert sidecar_of(pod)["startupProbe"]["httpGet"]["port"] == SETTINGS.metrics_port
+    assert sidecar_of(pod)["startupProbe"]["httpGet"]["port"] == 9464
 
 
 @pytest.mark.parametrize(
