@@ -1,0 +1,797 @@
+"""The ``CheckpointPolicy`` API (``strata.dev/v1alpha1``): pydantic models, the single source of truth.
+
+``crdgen`` turns these models into ``crds/checkpointpolicies.strata.dev.yaml``; the operator parses
+stored objects with them; the webhook maps a parsed spec to the sidecar contract with
+:func:`to_sidecar_config`. The Kubernetes JSON uses camelCase (``sizeLimit``); Python uses
+snake_case (``size_limit``); both are accepted on input (``populate_by_name``).
+
+Every cross-field rule exists twice, with the same message: as a CEL ``x-kubernetes-validations``
+rule that the apiserver enforces on create/update, and as a pydantic validator that the operator
+applies to what is stored (objects written before a stricter CRD, or with validation bypassed).
+The messages say what to fix. :data:`RULES` holds both halves side by side.
+
+Example::
+
+    apiVersion: strata.dev/v1alpha1
+    kind: CheckpointPolicy
+    metadata: {name: llm, namespace: training}
+    spec:
+      tiers:
+        ram: {sizeLimit: 16Gi, keep: 1, every: {steps: 10}}
+        pvc: {claimName: ckpt-rwx, every: {steps: 100}, keep: 2}
+        gcs: {bucket: my-ckpts, prefix: llm, every: {steps: 1000, duration: 1h}, keep: 3}
+      restore: {order: [ram, pvc, gcs]}
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import ROUND_CEILING, Decimal
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from strata.config import (
+    DEFAULT_PVC_DIR,
+    DEFAULT_RAM_DIR,
+    TIER_ORDER,
+    GcsTierConfig,
+    Interval,
+    PvcTierConfig,
+    RamTierConfig,
+    ReportConfig,
+    RestoreConfig,
+    SidecarConfig,
+    TierName,
+)
+
+GROUP: Final = "strata.dev"
+VERSION: Final = "v1alpha1"
+KIND: Final = "CheckpointPolicy"
+PLURAL: Final = "checkpointpolicies"
+SINGULAR: Final = "checkpointpolicy"
+SHORT_NAMES: Final = ("ckpol",)
+CATEGORIES: Final = ("strata",)
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+
+DEFAULT_SIDECAR_IMAGE: Final = "ghcr.io/strata-dev/strata:0.1.0"
+DEFAULT_HOST_PATH: Final = "/dev/shm/strata"
+DEFAULT_METRICS_PORT: Final = 9464
+MAX_JOBS: Final = 32
+"""Bound of ``status.jobs``; the oldest-updated job is dropped first (keeps the object small)."""
+MAX_CONDITIONS: Final = 8
+
+# --- Kubernetes quantity and Go duration ------------------------------------------------------
+
+QUANTITY_PATTERN: Final = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+"""The pattern the apiserver's OpenAPI uses for ``resource.Quantity`` (k8s.io/apimachinery)."""
+_QUANTITY_RE = re.compile(QUANTITY_PATTERN)
+_SUFFIX: Final[dict[str, Decimal]] = {
+    "": Decimal(1),
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "k": Decimal(10) ** 3,
+    "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
+}
+
+DURATION_PATTERN: Final = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"
+"""Go ``time.ParseDuration`` syntax without sign (``90s``, ``15m``, ``1h30m``), as CEL's duration()."""
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|µs|ms|s|m|h)")
+_DURATION_UNIT: Final[dict[str, Decimal]] = {
+    "ns": Decimal("1e-9"),
+    "us": Decimal("1e-6"),
+    "µs": Decimal("1e-6"),
+    "ms": Decimal("1e-3"),
+    "s": Decimal(1),
+    "m": Decimal(60),
+    "h": Decimal(3600),
+}
+
+
+def parse_quantity(value: str) -> Decimal:
+    """Value of a Kubernetes quantity (``"16Gi"`` -> 17179869184); ValueError when malformed."""
+    text = value.strip()
+    if not _QUANTITY_RE.match(text):
+        raise ValueError(
+            f"{value!r} is not a Kubernetes quantity; write e.g. 512Mi, 16Gi or 1000000000"
+        )
+    match = re.match(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(.*)$", text)
+    assert match is not None  # the full pattern matched above
+    number, suffix = Decimal(match.group(1)), match.group(2)
+    if suffix[:1] in ("e", "E"):
+        return number * (Decimal(10) ** Decimal(suffix[1:]))
+    return number * _SUFFIX[suffix]
+
+
+def quantity_bytes(value: str) -> int:
+    """A quantity as whole bytes, rounded up (Kubernetes rounds memory quantities up too)."""
+    return int(parse_quantity(value).to_integral_value(rounding=ROUND_CEILING))
+
+
+def parse_duration(value: str) -> float:
+    """Seconds of a Go duration string (``"1h30m"`` -> 5400.0); ValueError when malformed."""
+    if not re.match(DURATION_PATTERN, value):
+        raise ValueError(f"{value!r} is not a duration; write e.g. 90s, 15m or 1h30m")
+    return float(sum(Decimal(n) * _DURATION_UNIT[u] for n, u in _DURATION_PART.findall(value)))
+
+
+def _check_quantity(value: str) -> str:
+    parse_quantity(value)
+    return value
+
+
+def _int_to_str(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(_int_to_str),
+    AfterValidator(_check_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+"""A Kubernetes quantity (``500m``, ``2Gi``, or an integer), as in ``resources.limits``."""
+
+
+def _check_size_limit(value: str) -> str:
+    if parse_quantity(value) < 1024 * 1024:
+        raise ValueError(f"sizeLimit {value!r} is below 1Mi; size the RAM tier for the shards")
+    return value
+
+
+SizeLimit = Annotated[
+    str,
+    Field(max_length=64),
+    AfterValidator(_check_size_limit),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "maxLength": 64,
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-validations": [
+                {
+                    "rule": "quantity(self).compareTo(quantity('1Mi')) >= 0",
+                    "message": "sizeLimit must be at least 1Mi; size the RAM tier for the shards",
+                }
+            ],
+        }
+    ),
+]
+
+
+def _check_duration(value: str) -> str:
+    if parse_duration(value) < 1:
+        raise ValueError(f"duration {value!r} is below 1s; write e.g. 30s, 15m or 1h")
+    return value
+
+
+Duration = Annotated[
+    str,
+    Field(max_length=32),
+    AfterValidator(_check_duration),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "maxLength": 32,
+            "pattern": DURATION_PATTERN,
+            "x-kubernetes-validations": [
+                {
+                    "rule": "duration(self) >= duration('1s')",
+                    "message": "duration must be at least 1s; write e.g. 30s, 15m or 1h",
+                }
+            ],
+        }
+    ),
+]
+
+# --- GCS bucket names -------------------------------------------------------------------------
+
+BUCKET_PATTERN: Final = r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$"
+"""Characters and ends of a bucket name (https://cloud.google.com/storage/docs/buckets#naming)."""
+BUCKET_RULES: Final[tuple[tuple[str, str], ...]] = (
+    (
+        "!self.contains('.') ? size(self) <= 63 : !self.matches('[^.]{64}')",
+        "bucket names are at most 63 characters (222 with dots, each dot-separated part at most 63)",
+    ),
+    ("!self.startsWith('goog')", "bucket names cannot begin with 'goog'"),
+    (
+        "!self.matches('g[o0][o0]g[l1]e')",
+        "bucket names cannot contain 'google' or close misspellings",
+    ),
+    (
+        "!self.matches('^[0-9]{1,3}([.][0-9]{1,3}){3}$')",
+        "bucket names cannot be an IP address in dotted-decimal notation",
+    ),
+    (
+        "!self.contains('..') && !self.contains('.-') && !self.contains('-.')",
+        "bucket names cannot contain '..', '.-' or '-.' (dot-separated parts must be DNS labels)",
+    ),
+)
+
+
+def check_bucket_name(name: str) -> str:
+    """Return ``name`` when it is a valid GCS bucket name; ValueError naming the broken rule.
+
+    Mirrors :data:`BUCKET_PATTERN` and :data:`BUCKET_RULES` (what the apiserver checks).
+    """
+    problems: list[str] = []
+    if not re.match(BUCKET_PATTERN, name):
+        problems.append(
+            "bucket names are 3-222 characters of lowercase letters, digits, '-', '_' and '.', "
+            "starting and ending with a letter or digit"
+        )
+    if ("." not in name and len(name) > 63) or re.search(r"[^.]{64}", name):
+        problems.append(BUCKET_RULES[0][1])
+    if name.startswith("goog"):
+        problems.append(BUCKET_RULES[1][1])
+    if re.search(r"g[o0][o0]g[l1]e", name):
+        problems.append(BUCKET_RULES[2][1])
+    if re.match(r"^[0-9]{1,3}([.][0-9]{1,3}){3}$", name):
+        problems.append(BUCKET_RULES[3][1])
+    if ".." in name or ".-" in name or "-." in name:
+        problems.append(BUCKET_RULES[4][1])
+    if problems:
+        raise ValueError(f"invalid bucket name {name!r}: " + "; ".join(problems))
+    return name
+
+
+BucketName = Annotated[
+    str,
+    AfterValidator(check_bucket_name),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "minLength": 3,
+            "maxLength": 222,
+            "pattern": BUCKET_PATTERN,
+            "x-kubernetes-validations": [{"rule": r, "message": m} for r, m in BUCKET_RULES],
+        }
+    ),
+]
+
+DNS_SUBDOMAIN_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ObjectName = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)]
+"""A Kubernetes object name (DNS-1123 subdomain), e.g. a PVC or Secret name."""
+
+RelativePath = Annotated[
+    str,
+    Field(max_length=1024, pattern=r"^[^/]"),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "maxLength": 1024,
+            "pattern": r"^[^/]",
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!self.split('/').exists(p, p == '..')",
+                    "message": "must be a relative path without '..' segments",
+                }
+            ],
+        }
+    ),
+]
+
+
+def _check_relative(value: str) -> str:
+    if ".." in value.split("/"):
+        raise ValueError("must be a relative path without '..' segments")
+    return value
+
+
+# --- cross-field rules ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field rule: the CEL half (apiserver) and the message (shared with pydantic)."""
+
+    rule: str
+    message: str
+    field_path: str | None = None
+
+    def cel(self) -> dict[str, str]:
+        out = {"rule": self.rule, "message": self.message}
+        if self.field_path:
+            out["fieldPath"] = self.field_path
+        return out
+
+
+RULE_HOST_PATH_MEDIUM = Rule(
+    "!has(self.hostPath) || self.medium == 'HostPath'",
+    "ram.hostPath is only allowed with medium HostPath; remove hostPath or set medium: HostPath",
+    ".hostPath",
+)
+RULE_EVERY_NOT_EMPTY = Rule(
+    "has(self.steps) || has(self.duration)",
+    "every needs steps and/or duration (e.g. {steps: 100} or {duration: 15m})",
+)
+RULE_PVC_STEPS_MULTIPLE = Rule(
+    "!has(self.pvc) || !has(self.pvc.every) || !has(self.pvc.every.steps) || "
+    "!has(self.ram.every) || !has(self.ram.every.steps) || "
+    "self.pvc.every.steps % self.ram.every.steps == 0",
+    "pvc.every.steps must be a multiple of ram.every.steps (the PVC promotes RAM checkpoints, "
+    "so it cannot be more frequent than the RAM tier)",
+    ".pvc.every.steps",
+)
+RULE_GCS_STEPS_MULTIPLE = Rule(
+    "!has(self.gcs) || !has(self.gcs.every) || !has(self.gcs.every.steps) || "
+    "!has(self.ram.every) || !has(self.ram.every.steps) || "
+    "self.gcs.every.steps % self.ram.every.steps == 0",
+    "gcs.every.steps must be a multiple of ram.every.steps (GCS promotes RAM checkpoints, "
+    "so it cannot be more frequent than the RAM tier)",
+    ".gcs.every.steps",
+)
+RULE_GCS_STEPS_NOT_SHORTER = Rule(
+    "!has(self.gcs) || !has(self.pvc) || !has(self.gcs.every) || !has(self.pvc.every) || "
+    "!has(self.gcs.every.steps) || !has(self.pvc.every.steps) || "
+    "self.gcs.every.steps >= self.pvc.every.steps",
+    "gcs.every.steps must not be shorter than pvc.every.steps (the slower, farther tier "
+    "is promoted less often)",
+    ".gcs.every.steps",
+)
+RULE_GCS_DURATION_NOT_SHORTER = Rule(
+    "!has(self.gcs) || !has(self.pvc) || !has(self.gcs.every) || !has(self.pvc.every) || "
+    "!has(self.gcs.every.duration) || !has(self.pvc.every.duration) || "
+    "duration(self.gcs.every.duration) >= duration(self.pvc.every.duration)",
+    "gcs.every.duration must not be shorter than pvc.every.duration (the slower, farther "
+    "tier is promoted less often)",
+    ".gcs.every.duration",
+)
+RULE_ORDER_CONFIGURED = Rule(
+    "!has(self.restore) || !has(self.restore.order) || self.restore.order.all(t, "
+    "t == 'ram' || (t == 'pvc' && has(self.tiers.pvc)) || (t == 'gcs' && has(self.tiers.gcs)))",
+    "restore.order may only name configured tiers; add the tier under spec.tiers or remove "
+    "it from restore.order",
+    ".restore.order",
+)
+RULE_ORDER_UNIQUE = Rule(
+    "self.all(t, self.exists_one(u, u == t))",
+    "restore.order must not repeat a tier",
+)
+RULE_SECRET_REF = Rule(
+    "self.type == 'SecretRef' ? has(self.secretRef) : !has(self.secretRef)",
+    "credentials.secretRef is required with type SecretRef and not allowed with WorkloadIdentity",
+)
+
+# --- models -----------------------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        use_attribute_docstrings=True,
+    )
+
+
+def _rules(*rules: Rule) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [r.cel() for r in rules]}
+
+
+class RamEvery(_Model):
+    """When the RAM tier takes a checkpoint (every ``steps`` training steps)."""
+
+    steps: Annotated[int, Field(strict=True, ge=1, le=1_000_000_000)] = 1
+    """Training steps between RAM checkpoints; the client's save() is a no-op in between."""
+
+
+class RamTier(_Model):
+    """The RAM tier: a tmpfs (emptyDir medium Memory, or a node tmpfs via hostPath)."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(RULE_HOST_PATH_MEDIUM))
+
+    medium: Literal["Memory", "HostPath"] = "Memory"
+    """Memory: emptyDir medium Memory (survives container restarts, not pod deletion).
+    HostPath: a node tmpfs directory (survives a pod rescheduled onto the same node; refused
+    in namespaces enforcing the baseline or restricted Pod Security Standard)."""
+    size_limit: SizeLimit
+    """Bytes the RAM tier may hold (Kubernetes quantity, e.g. 16Gi): the emptyDir sizeLimit and
+    the part of the sidecar's memory limit that the slot ring takes."""
+    host_path: Annotated[str, Field(max_length=1024, pattern=r"^/.+")] | None = None
+    """Node directory for medium HostPath; default /dev/shm/strata."""
+    keep: Annotated[int, Field(strict=True, ge=1, le=16)] = 1
+    """Committed steps kept per rank (the slot ring holds keep + 1 slots)."""
+    every: RamEvery = RamEvery()
+
+    @model_validator(mode="after")
+    def _host_path_medium(self) -> RamTier:
+        if self.host_path is not None and self.medium != "HostPath":
+            raise ValueError(RULE_HOST_PATH_MEDIUM.message)
+        return self
+
+
+class Every(_Model):
+    """When a durable tier is due: every ``steps`` and/or every ``duration``, whichever first."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(RULE_EVERY_NOT_EMPTY))
+
+    steps: Annotated[int, Field(strict=True, ge=1, le=1_000_000_000)] | None = None
+    """Training steps between promotions to this tier."""
+    duration: Duration | None = None
+    """Wall time between promotions (Go duration: 90s, 15m, 1h30m)."""
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> Every:
+        if self.steps is None and self.duration is None:
+            raise ValueError(RULE_EVERY_NOT_EMPTY.message)
+        return self
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.duration is None else parse_duration(self.duration)
+
+
+class PvcTier(_Model):
+    """The shared-filesystem tier: a PersistentVolumeClaim (Filestore, Lustre, NFS; RWX)."""
+
+    claim_name: ObjectName
+    """Name of a PersistentVolumeClaim in the policy's namespace (ReadWriteMany for multi-pod
+    jobs)."""
+    sub_path: Annotated[RelativePath, AfterValidator(_check_relative)] | None = None
+    """Directory inside the volume that holds the checkpoints (relative, no '..')."""
+    every: Every = Every(steps=100)
+    keep: Annotated[int, Field(strict=True, ge=1, le=1000)] = 2
+    """Complete steps kept on the PVC; the newest complete step is never deleted first."""
+
+
+class SecretKeyRef(_Model):
+    """A key of a Secret in the policy's namespace holding a service-account JSON key."""
+
+    name: ObjectName
+    key: Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")] = (
+        "key.json"
+    )
+
+
+class GcsCredentials(_Model):
+    """How the sidecar authenticates to GCS (workload identity unless a Secret is named)."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(RULE_SECRET_REF))
+
+    type: Literal["WorkloadIdentity", "SecretRef"] = "WorkloadIdentity"
+    """WorkloadIdentity: the pod's Kubernetes service account (GKE Workload Identity Federation).
+    SecretRef: a service-account JSON key from secretRef."""
+    secret_ref: SecretKeyRef | None = None
+
+    @model_validator(mode="after")
+    def _secret_ref(self) -> GcsCredentials:
+        if (self.type == "SecretRef") != (self.secret_ref is not None):
+            raise ValueError(RULE_SECRET_REF.message)
+        return self
+
+
+class GcsTier(_Model):
+    """The object-store tier: ``gs://<bucket>/<prefix>/<job id>/steps/...``."""
+
+    bucket: BucketName
+    """GCS bucket name (https://cloud.google.com/storage/docs/buckets#naming)."""
+    prefix: Annotated[str, Field(max_length=1024, pattern=r"^[^/].*[^/]$|^[^/]?$")] = ""
+    """Object name prefix inside the bucket (no leading or trailing '/')."""
+    every: Every = Every(steps=1000)
+    keep: Annotated[int, Field(strict=True, ge=1, le=1000)] = 3
+    """Complete steps kept in the bucket."""
+    credentials: GcsCredentials = GcsCredentials()
+
+
+class Tiers(_Model):
+    """The tiers checkpoints flow through: RAM (always), then PVC and GCS when configured."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            RULE_PVC_STEPS_MULTIPLE,
+            RULE_GCS_STEPS_MULTIPLE,
+            RULE_GCS_STEPS_NOT_SHORTER,
+            RULE_GCS_DURATION_NOT_SHORTER,
+        )
+    )
+
+    ram: RamTier
+    pvc: PvcTier | None = None
+    gcs: GcsTier | None = None
+
+    @model_validator(mode="after")
+    def _intervals(self) -> Tiers:
+        ram_steps = self.ram.every.steps
+        problems: list[str] = []
+        if self.pvc and self.pvc.every.steps and self.pvc.every.steps % ram_steps:
+            problems.append(RULE_PVC_STEPS_MULTIPLE.message)
+        if self.gcs and self.gcs.every.steps and self.gcs.every.steps % ram_steps:
+            problems.append(RULE_GCS_STEPS_MULTIPLE.message)
+        if self.gcs and self.pvc:
+            gs, ps = self.gcs.every.steps, self.pvc.every.steps
+            if gs and ps and gs < ps:
+                problems.append(RULE_GCS_STEPS_NOT_SHORTER.message)
+            gd, pd = self.gcs.every.seconds, self.pvc.every.seconds
+            if gd is not None and pd is not None and gd < pd:
+                problems.append(RULE_GCS_DURATION_NOT_SHORTER.message)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class Restore(_Model):
+    """How a restarted pod finds its checkpoint."""
+
+    order: (
+        Annotated[
+            list[TierName],
+            Field(min_length=1, max_length=3, json_schema_extra=_rules(RULE_ORDER_UNIQUE)),
+        ]
+        | None
+    ) = None
+    """Tiers to try, nearest first; default: the configured tiers in the order ram, pvc, gcs."""
+    verify: Annotated[bool, Field(strict=True)] = True
+    """Verify CRC32C checksums of every shard restored (a mismatch falls to the next tier)."""
+    allow_fresh_start: Annotated[bool, Field(strict=True)] = False
+    """Start from step 0 when no tier holds a restorable step (said loudly in status and
+    events); false: the training client's restore() fails instead."""
+
+    @model_validator(mode="after")
+    def _unique(self) -> Restore:
+        if self.order is not None and len(set(self.order)) != len(self.order):
+            raise ValueError(RULE_ORDER_UNIQUE.message)
+        return self
+
+
+class Resources(_Model):
+    """Compute resources of the sidecar container (corev1 ResourceRequirements shape)."""
+
+    requests: Annotated[dict[str, Quantity], Field(max_length=8)] = {}
+    limits: Annotated[dict[str, Quantity], Field(max_length=8)] = {}
+
+
+class SidecarPorts(_Model):
+    """Ports the sidecar listens on inside the pod."""
+
+    metrics: Annotated[int, Field(strict=True, ge=1024, le=65535)] = DEFAULT_METRICS_PORT
+    """Serves /metrics (Prometheus) and /healthz (startup and liveness probes)."""
+
+
+class Sidecar(_Model):
+    """The injected checkpoint sidecar (a native sidecar: init container, restartPolicy Always)."""
+
+    image: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")] = (
+        DEFAULT_SIDECAR_IMAGE
+    )
+    resources: Resources = Resources()
+    """Requests and limits; the webhook adds the RAM tier's sizeLimit to the memory limit."""
+    termination_grace_period_seconds: Annotated[int, Field(strict=True, ge=1, le=86400)] | None = (
+        None
+    )
+    """Pod grace period the webhook sets when the pod has a shorter one; the SIGTERM flush of
+    the newest RAM step to the PVC must fit in it."""
+    ports: SidecarPorts = SidecarPorts()
+
+
+class CheckpointPolicySpec(_Model):
+    """Desired checkpointing for the workloads that name this policy (label or annotation
+    strata.dev/policy)."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(RULE_ORDER_CONFIGURED))
+
+    tiers: Tiers
+    restore: Restore = Restore()
+    sidecar: Sidecar = Sidecar()
+
+    @model_validator(mode="after")
+    def _order_configured(self) -> CheckpointPolicySpec:
+        present = {
+            "ram": True,
+            "pvc": self.tiers.pvc is not None,
+            "gcs": self.tiers.gcs is not None,
+        }
+        if self.restore.order is not None and not all(present[t] for t in self.restore.order):
+            raise ValueError(RULE_ORDER_CONFIGURED.message)
+        return self
+
+    def configured_tiers(self) -> list[TierName]:
+        """Configured tiers in the order ram, pvc, gcs."""
+        present = {
+            "ram": True,
+            "pvc": self.tiers.pvc is not None,
+            "gcs": self.tiers.gcs is not None,
+        }
+        return [t for t in TIER_ORDER if present[t]]
+
+
+# --- status -----------------------------------------------------------------------------------
+
+
+class Condition(_Model):
+    """A ``metav1.Condition``."""
+
+    type: Annotated[str, Field(min_length=1, max_length=316)]
+    status: Literal["True", "False", "Unknown"]
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    last_transition_time: datetime
+    """When status last changed (not when the condition was last checked)."""
+    reason: Annotated[
+        str,
+        Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"),
+    ]
+    """CamelCase, machine-readable (strata_operator.conditions lists them)."""
+    message: Annotated[str, Field(max_length=32768)] = ""
+    """What is wrong and what to do, for humans."""
+
+
+class TierSteps(_Model):
+    """Newest complete step per tier (every rank's manifest committed in that tier)."""
+
+    ram: Annotated[int, Field(ge=0)] | None = None
+    pvc: Annotated[int, Field(ge=0)] | None = None
+    gcs: Annotated[int, Field(ge=0)] | None = None
+
+
+class LastRestore(_Model):
+    """Provenance of a job's last restore."""
+
+    tier: TierName | None = None
+    """Tier that served it; absent for a fresh start or a failed restore."""
+    step: Annotated[int, Field(ge=0)] | None = None
+    seconds: Annotated[float, Field(ge=0)] | None = None
+    """Wall time of the restore (stage into RAM + load), seconds."""
+    outcome: Literal["restored", "fresh-start", "failed"] = "restored"
+    time: datetime
+
+
+class LastError(_Model):
+    tier: TierName | None = None
+    message: Annotated[str, Field(max_length=2048)]
+    time: datetime
+
+
+class JobStatus(_Model):
+    """What the sidecars of one job (``<namespace>.<workload>`` or its run id) reported."""
+
+    job_id: Annotated[str, Field(min_length=1, max_length=512)]
+    newest_complete_step: TierSteps = TierSteps()
+    last_restore: LastRestore | None = None
+    last_error: LastError | None = None
+    update_time: datetime | None = None
+    """When a report about this job was last folded in."""
+
+
+class CheckpointPolicyStatus(_Model):
+    """Observed state, written by the operator (conditions) and its report receiver (jobs)."""
+
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    """metadata.generation of the spec the conditions describe."""
+    conditions: Annotated[
+        list[Condition],
+        Field(
+            max_length=MAX_CONDITIONS,
+            json_schema_extra={
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+        ),
+    ] = []
+    newest_complete_step: TierSteps | None = None
+    """Newest complete step per tier of the most recently reported job (printer columns)."""
+    jobs: Annotated[
+        list[JobStatus],
+        Field(
+            max_length=MAX_JOBS,
+            json_schema_extra={
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["jobId"],
+            },
+        ),
+    ] = []
+
+
+class CheckpointPolicy(_Model):
+    """A CheckpointPolicy object (only ``spec`` and ``status``; metadata is the apiserver's)."""
+
+    spec: CheckpointPolicySpec
+    status: CheckpointPolicyStatus | None = None
+
+
+# --- the sidecar contract ---------------------------------------------------------------------
+
+
+def _interval(every: Every) -> Interval:
+    return Interval(steps=every.steps, seconds=every.seconds)
+
+
+def to_sidecar_config(
+    spec: CheckpointPolicySpec,
+    job_id: str,
+    *,
+    policy: str | None = None,
+    namespace: str | None = None,
+    report_endpoint: str | None = None,
+    report_ca_path: str | None = None,
+    ram_path: str = DEFAULT_RAM_DIR,
+    pvc_path: str = DEFAULT_PVC_DIR,
+    termination_grace_seconds: float | None = None,
+) -> SidecarConfig:
+    """Map a policy spec to the sidecar/client contract (:class:`strata.config.SidecarConfig`).
+
+    Pure: no Kubernetes calls. ``job_id`` is ``<namespace>.<workload>`` or the run-id annotation.
+    ``ram_path``/``pvc_path`` are where the webhook mounts the tiers in the containers.
+    ``termination_grace_seconds`` is the pod's effective grace period (seconds) when the caller
+    knows it; otherwise the policy's ``sidecar.terminationGracePeriodSeconds``, else 30.
+    Pod identity (name, uid, node) comes from the downward API at run time, not from here.
+
+    Errors: pydantic ``ValidationError`` when ``job_id`` is not a valid job id.
+    """
+    tiers = spec.tiers
+    ram = RamTierConfig(
+        path=ram_path,
+        medium=tiers.ram.medium,
+        size_limit_bytes=quantity_bytes(tiers.ram.size_limit),
+        keep=tiers.ram.keep,
+        every=Interval(steps=tiers.ram.every.steps),
+    )
+    pvc = None
+    if tiers.pvc is not None:
+        pvc = PvcTierConfig(
+            path=pvc_path,
+            claim_name=tiers.pvc.claim_name,
+            sub_path=tiers.pvc.sub_path,
+            keep=tiers.pvc.keep,
+            every=_interval(tiers.pvc.every),
+        )
+    gcs = None
+    if tiers.gcs is not None:
+        gcs = GcsTierConfig(
+            bucket=tiers.gcs.bucket,
+            prefix=tiers.gcs.prefix,
+            keep=tiers.gcs.keep,
+            every=_interval(tiers.gcs.every),
+        )
+    grace = termination_grace_seconds
+    if grace is None:
+        grace = float(spec.sidecar.termination_grace_period_seconds or 30)
+    return SidecarConfig(
+        job_id=job_id,
+        policy=policy,
+        namespace=namespace,
+        ram=ram,
+        pvc=pvc,
+        gcs=gcs,
+        restore=RestoreConfig(
+            order=tuple(spec.restore.order) if spec.restore.order else tuple(TIER_ORDER),
+            verify=spec.restore.verify,
+            allow_fresh_start=spec.restore.allow_fresh_start,
+        ),
+        report=ReportConfig(endpoint=report_endpoint, ca_path=report_ca_path),
+        metrics_port=spec.sidecar.ports.metrics,
+        termination_grace_seconds=grace,
+    )

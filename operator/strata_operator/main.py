@@ -1,0 +1,303 @@
+"""The Strata operator (kopf): reconciles CheckpointPolicies; entry point ``run(argv)``.
+
+``strata operator [flags]`` and ``python -m strata_operator [flags]`` both call :func:`run`.
+
+Reconcile (create, update, resume): parse the spec, gather facts (namespace, PVC, Secret,
+bucket), decide the conditions (``reconcile``), write them with ONE status patch (merge patch of
+``observedGeneration`` and ``conditions`` on the status subresource; ``status.jobs`` belongs to
+the report receiver and is left alone), then post Events — only after the patch succeeded, and
+only when the Ready condition changed or the spec generation did. Domain errors become
+``kopf.PermanentError`` (only a spec change helps) or ``kopf.TemporaryError(delay=...)`` (a
+dependency may appear) here, at the handler boundary, and nowhere else.
+
+The status patch is made with the Kubernetes client rather than kopf's ``patch.status``: kopf
+applies its patch after the handler returns while Events queued in the handler are posted
+concurrently, so "events after the patch succeeds" could not be guaranteed.
+
+Kopf settings (see :func:`configure`): progress and diff-base in ``strata.dev/*`` annotations
+(nothing in status, handler results are not stored: the handler returns None); no finalizers —
+kopf adds one only for non-optional deletion handlers and daemons/timers, and none are
+registered (case C-13: deleting a namespace must never wait for the operator); kopf's own log
+lines are posted as Events only from WARNING up.
+
+Extensions (webhook, report receiver, metrics) register their kopf handlers by being imported:
+list their module names in :data:`EXTENSION_MODULES`. A module may also define
+``add_arguments(parser: argparse.ArgumentParser) -> None`` and
+``configure(args: argparse.Namespace, memo: kopf.Memo) -> None``; :func:`run` calls them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import kopf
+
+from strata_operator import api
+from strata_operator import conditions as c
+from strata_operator.reconcile import (
+    InvalidSpec,
+    Outcome,
+    ReconcileError,
+    evaluate,
+    gather,
+    invalid,
+    new_status,
+    parse_spec,
+)
+
+EXTENSION_MODULES: tuple[str, ...] = ()
+"""Modules that register more kopf handlers on import (e.g. ``strata_operator.webhook``)."""
+
+PERSISTENCE_PREFIX = "strata.dev"
+FINALIZER = "strata.dev/finalizer"
+"""Configured so kopf never uses its own name; no handler makes kopf add it (C-13)."""
+FIELD_MANAGER = "strata-operator"
+log = logging.getLogger("strata.operator")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Reconcile tuning, from the command line."""
+
+    dependency_retry: float = 30.0
+    """Seconds between checks of a missing dependency (PVC, Secret, bucket)."""
+    api_retry: float = 10.0
+    """Seconds before retrying after a Kubernetes API failure."""
+    gcs_timeout: float = 10.0
+    """Seconds the bucket check may take (connect + read)."""
+    check_bucket: bool = True
+
+
+@dataclass
+class Clients:
+    core_v1: Any
+    custom: Any
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Tune kopf and create the Kubernetes clients (same kubeconfig/in-cluster config as kopf)."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=PERSISTENCE_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PERSISTENCE_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 30
+    settings.networking.connect_timeout = 10
+    settings.execution.max_workers = 8
+    if "clients" not in memo:
+        from kubernetes import client, config
+
+        config.load_config()  # type: ignore[no-untyped-call]
+        memo["clients"] = Clients(core_v1=client.CoreV1Api(), custom=client.CustomObjectsApi())
+
+
+def _reconcile(
+    spec: dict[str, Any], status: dict[str, Any], namespace: str, opts: Options, clients: Clients
+) -> Outcome:
+    try:
+        parsed = parse_spec(spec)
+    except InvalidSpec as err:
+        return invalid(err)
+    facts = gather(
+        clients.core_v1,
+        parsed,
+        namespace,
+        check_bucket=opts.check_bucket,
+        gcs_timeout=opts.gcs_timeout,
+    )
+    return evaluate(parsed, facts, namespace, dependency_retry=opts.dependency_retry)
+
+
+def _patch_status(clients: Clients, namespace: str, name: str, patch: dict[str, Any]) -> bool:
+    """Merge-patch the status subresource; False when the object is gone."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        clients.custom.patch_namespaced_custom_object_status(
+            api.GROUP,
+            api.VERSION,
+            namespace,
+            api.PLURAL,
+            name,
+            {"status": patch},
+            field_manager=FIELD_MANAGER,
+            _content_type="application/merge-patch+json",
+            _request_timeout=30,
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise ReconcileError(
+            c.REASON_API_ERROR, f"status patch failed: {exc.status} {exc.reason}", retry_after=10
+        ) from None
+    except OSError as exc:
+        raise ReconcileError(
+            c.REASON_API_ERROR, f"status patch failed: {exc}", retry_after=10
+        ) from None
+    return True
+
+
+def _changed(old: dict[str, Any] | None, patch: dict[str, Any]) -> bool:
+    old = old or {}
+    return bool(
+        old.get("observedGeneration") != patch.get("observedGeneration")
+        or old.get("conditions") != patch.get("conditions")
+    )
+
+
+def _ready_changed(old: dict[str, Any] | None, patch: dict[str, Any]) -> bool:
+    before = c.find((old or {}).get("conditions") or [], c.READY)
+    after = c.find(patch["conditions"], c.READY)
+    if before is None or after is None:
+        return True
+    return bool(
+        before.get("status") != after.get("status")
+        or before.get("reason") != after.get("reason")
+        or before.get("observedGeneration") != after.get("observedGeneration")
+    )
+
+
+@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
+def reconcile_policy(
+    *,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    meta: kopf.Meta,
+    namespace: str | None,
+    name: str,
+    memo: Any,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+    **_: Any,
+) -> None:
+    """Reconcile one CheckpointPolicy (see the module docstring). Returns None: nothing is
+    stored in status by kopf."""
+    opts: Options = memo.get("options") or Options()
+    clients: Clients = memo["clients"]
+    assert namespace is not None  # the CRD is namespaced
+    old_status = dict(status)
+    try:
+        outcome = _reconcile(dict(spec), old_status, namespace, opts, clients)
+        patch = new_status(old_status, outcome, generation=meta.get("generation"))
+        if _changed(old_status, patch) and not _patch_status(clients, namespace, name, patch):
+            logger.info("policy is gone; nothing to reconcile")
+            return
+    except ReconcileError as err:
+        # Neither the facts nor the status could be read/written: the API is the problem.
+        raise kopf.TemporaryError(err.message, delay=err.retry_after or opts.api_retry) from None
+    ready = outcome.ready
+    if _ready_changed(old_status, patch):
+        kopf.event(
+            body,
+            type="Normal" if ready.status == "True" else "Warning",
+            reason=ready.reason,
+            message=ready.message,
+        )
+    logger.info("Ready=%s (%s): %s", ready.status, ready.reason, ready.message)
+    problem = outcome.error
+    if problem is None:
+        return
+    if problem.retry_after is None:
+        raise kopf.PermanentError(problem.message)
+    raise kopf.TemporaryError(problem.message, delay=problem.retry_after)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def _extensions() -> list[ModuleType]:
+    return [importlib.import_module(name) for name in EXTENSION_MODULES]
+
+
+def build_parser(extensions: Sequence[ModuleType] = ()) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata operator",
+        description="Run the Strata operator (reconciles CheckpointPolicies).",
+    )
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; kopf glob patterns allowed)",
+    )
+    scope.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="watch every namespace (default)"
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, then in-cluster config)",
+    )
+    parser.add_argument(
+        "--liveness",
+        metavar="URL",
+        default=os.environ.get("STRATA_OPERATOR_LIVENESS"),
+        help="serve kopf's liveness probe, e.g. http://0.0.0.0:8095/healthz (default: off)",
+    )
+    parser.add_argument(
+        "--dependency-retry",
+        type=float,
+        default=Options.dependency_retry,
+        metavar="SECONDS",
+        help="seconds between checks of a missing PVC, Secret or bucket (default %(default)s)",
+    )
+    parser.add_argument(
+        "--gcs-timeout",
+        type=float,
+        default=Options.gcs_timeout,
+        metavar="SECONDS",
+        help="timeout of the bucket reachability check (default %(default)s)",
+    )
+    parser.add_argument("--no-bucket-check", action="store_true", help="do not contact GCS at all")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    parser.add_argument("--debug", action="store_true", help="log at DEBUG")
+    for ext in extensions:
+        add = getattr(ext, "add_arguments", None)
+        if add is not None:
+            add(parser)
+    return parser
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the operator until SIGINT/SIGTERM; returns the exit code."""
+    extensions = _extensions()
+    args = build_parser(extensions).parse_args(argv)
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    kopf.configure(verbose=args.verbose, debug=args.debug)
+    memo = kopf.Memo(
+        options=Options(
+            dependency_retry=args.dependency_retry,
+            gcs_timeout=args.gcs_timeout,
+            check_bucket=not args.no_bucket_check,
+        )
+    )
+    for ext in extensions:
+        hook = getattr(ext, "configure", None)
+        if hook is not None:
+            hook(args, memo)
+    namespaces = tuple(args.namespace)
+    kopf.run(
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=args.liveness,
+        memo=memo,
+    )
+    return 0

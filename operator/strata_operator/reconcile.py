@@ -1,0 +1,420 @@
+"""Reconcile a CheckpointPolicy: validate what the schema cannot, check its dependencies, and
+compute the new status.
+
+Three steps, kept apart so that the decisions are pure and unit-testable:
+
+1. :func:`parse_spec` validates the stored spec with the pydantic models (the same rules as the
+   CRD's schema and CEL; objects stored before a stricter CRD, or with validation bypassed, are
+   caught here). Failure: :class:`InvalidSpec`.
+2. :func:`gather` reads what the decision needs from the cluster and GCS (effects): the
+   namespace's Pod Security labels, the PVC, the credentials Secret, whether the bucket answers.
+3. :func:`evaluate` turns spec + :class:`Facts` into an :class:`Outcome` (conditions and whether
+   and when to retry); :func:`new_status` renders the status patch.
+
+Domain errors (:class:`ReconcileError` and subclasses) carry a reason constant and a message that
+says what to fix; ``main`` translates them into kopf errors at the handler boundary.
+
+GCS reachability: checked with the operator's own credentials when it has any (Application
+Default Credentials), with anonymous credentials against ``STORAGE_EMULATOR_HOST`` when that is
+set (fake-gcs-server), and with the policy's service-account key when ``credentials.type`` is
+SecretRef. Without credentials the check is skipped and the Degraded condition says so: under
+workload identity the training pods' identity, not the operator's, holds the bucket permission.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from strata_operator import conditions as c
+from strata_operator.api import CheckpointPolicySpec, GcsTier
+
+PSS_ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
+"""Namespaces enforcing ``baseline`` or ``restricted`` refuse hostPath volumes
+(https://kubernetes.io/docs/concepts/security/pod-security-standards/)."""
+PSS_NO_HOST_PATH = frozenset({"baseline", "restricted"})
+
+
+class ReconcileError(Exception):
+    """A domain error of a reconcile: ``reason`` (a conditions constant) and a message."""
+
+    def __init__(self, reason: str, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry_after = retry_after
+        """Seconds until a retry may help; None: only a change of the policy will help."""
+
+
+class InvalidSpec(ReconcileError):
+    """The spec breaks a rule; the message lists every broken field and what to write."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(c.REASON_INVALID_SPEC, message)
+
+
+class ApiUnavailable(ReconcileError):
+    """The Kubernetes API failed (5xx, connection); retry soon."""
+
+    def __init__(self, message: str, retry_after: float = 10.0) -> None:
+        super().__init__(c.REASON_API_ERROR, message, retry_after=retry_after)
+
+
+def parse_spec(raw: Mapping[str, Any]) -> CheckpointPolicySpec:
+    """The validated spec; :class:`InvalidSpec` naming each bad field (``spec.tiers.ram.keep``)."""
+    try:
+        return CheckpointPolicySpec.model_validate(dict(raw))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in ("spec", *err["loc"]))
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{loc}: {msg}")
+        raise InvalidSpec("invalid spec: " + "; ".join(problems)) from None
+
+
+# --- facts ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PvcFact:
+    found: bool
+    phase: str | None = None
+    access_modes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SecretFact:
+    found: bool
+    has_key: bool = False
+    key_json: str | None = field(default=None, repr=False)
+
+
+BucketOutcome = Literal["ok", "not-found", "forbidden", "unreachable", "not-checked"]
+
+
+@dataclass(frozen=True)
+class BucketFact:
+    outcome: BucketOutcome
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the cluster and GCS said; None for what the policy does not configure."""
+
+    namespace_labels: Mapping[str, str] = field(default_factory=dict)
+    pvc: PvcFact | None = None
+    secret: SecretFact | None = None
+    bucket: BucketFact | None = None
+
+
+# --- decision (pure) --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The conditions to set and what the handler boundary does next."""
+
+    ready: c.NewCondition
+    degraded: c.NewCondition
+    error: ReconcileError | None = None
+    """Set when not Ready: the boundary raises it (permanent unless ``retry_after``)."""
+
+
+def _not_ready(err: ReconcileError) -> Outcome:
+    return Outcome(
+        ready=c.NewCondition(c.READY, "False", err.reason, err.message),
+        degraded=c.NewCondition(
+            c.DEGRADED, "Unknown", c.REASON_NOT_EVALUATED, "not evaluated: the policy is not Ready"
+        ),
+        error=err,
+    )
+
+
+def invalid(err: InvalidSpec) -> Outcome:
+    """The outcome of a spec that does not parse."""
+    return _not_ready(err)
+
+
+def evaluate(
+    spec: CheckpointPolicySpec, facts: Facts, namespace: str, *, dependency_retry: float = 30.0
+) -> Outcome:
+    """Decide Ready/Degraded from the spec and the facts (pure).
+
+    ``dependency_retry``: seconds after which a missing dependency (PVC, Secret, bucket, a
+    namespace label) is checked again, since creating it does not touch the policy.
+    """
+    ram = spec.tiers.ram
+    pss = facts.namespace_labels.get(PSS_ENFORCE_LABEL, "")
+    if ram.medium == "HostPath" and pss in PSS_NO_HOST_PATH:
+        return _not_ready(
+            ReconcileError(
+                c.REASON_HOST_PATH_FORBIDDEN,
+                f"spec.tiers.ram.medium is HostPath but namespace {namespace!r} enforces the "
+                f"{pss!r} Pod Security Standard, which refuses hostPath volumes; use medium: "
+                "Memory or relax the namespace's pod-security.kubernetes.io/enforce label",
+                retry_after=dependency_retry,
+            )
+        )
+    degraded: list[tuple[str, str]] = []
+    pvc = spec.tiers.pvc
+    if pvc is not None and facts.pvc is not None:
+        claim = f"PersistentVolumeClaim {pvc.claim_name!r} in namespace {namespace!r}"
+        if not facts.pvc.found:
+            return _not_ready(
+                ReconcileError(
+                    c.REASON_PVC_NOT_FOUND,
+                    f"{claim} not found; create it (ReadWriteMany) or fix spec.tiers.pvc.claimName",
+                    retry_after=dependency_retry,
+                )
+            )
+        if facts.pvc.phase == "Lost":
+            return _not_ready(
+                ReconcileError(
+                    c.REASON_PVC_LOST,
+                    f"{claim} is Lost (its volume is gone); recreate the claim",
+                    retry_after=dependency_retry,
+                )
+            )
+        if "ReadWriteMany" not in facts.pvc.access_modes:
+            modes = ", ".join(facts.pvc.access_modes) or "none"
+            degraded.append(
+                (
+                    c.REASON_PVC_NOT_SHARED,
+                    f"{claim} has access modes [{modes}], not ReadWriteMany: pods of a multi-node "
+                    "job cannot all mount it; use a shared filesystem (Filestore, Lustre, NFS)",
+                )
+            )
+    gcs = spec.tiers.gcs
+    if gcs is not None:
+        secret_ref = gcs.credentials.secret_ref
+        if secret_ref is not None and facts.secret is not None and not facts.secret.has_key:
+            what = (
+                f"has no key {secret_ref.key!r}"
+                if facts.secret.found
+                else "not found in the namespace"
+            )
+            return _not_ready(
+                ReconcileError(
+                    c.REASON_SECRET_NOT_FOUND,
+                    f"Secret {secret_ref.name!r} named by spec.tiers.gcs.credentials.secretRef "
+                    f"{what}; create it with the service-account JSON key under that key",
+                    retry_after=dependency_retry,
+                )
+            )
+        bucket = facts.bucket or BucketFact("not-checked", "no check was made")
+        bucket_err = _bucket_error(gcs, bucket, dependency_retry)
+        if bucket_err is not None:
+            return _not_ready(bucket_err)
+        if bucket.outcome in ("not-checked", "forbidden"):
+            degraded.append(
+                (
+                    c.REASON_BUCKET_NOT_CHECKED,
+                    f"bucket gs://{gcs.bucket} was not verified: {bucket.detail}",
+                )
+            )
+    tiers = ", ".join(spec.configured_tiers())
+    ready = c.NewCondition(c.READY, "True", c.REASON_RECONCILED, f"policy is valid; tiers: {tiers}")
+    if degraded:
+        reason = degraded[0][0]
+        message = "; ".join(m for _, m in degraded)
+        return Outcome(ready, c.NewCondition(c.DEGRADED, "True", reason, message))
+    return Outcome(
+        ready, c.NewCondition(c.DEGRADED, "False", c.REASON_AS_EXPECTED, "every check passed")
+    )
+
+
+def _bucket_error(gcs: GcsTier, fact: BucketFact, retry: float) -> ReconcileError | None:
+    where = f"bucket gs://{gcs.bucket} (spec.tiers.gcs.bucket)"
+    if fact.outcome == "not-found":
+        return ReconcileError(
+            c.REASON_BUCKET_NOT_FOUND,
+            f"{where} does not exist; create it or fix the name ({fact.detail})",
+            retry_after=retry,
+        )
+    if fact.outcome == "forbidden" and gcs.credentials.type == "SecretRef":
+        return ReconcileError(
+            c.REASON_BUCKET_FORBIDDEN,
+            f"{where} refuses the service account of spec.tiers.gcs.credentials.secretRef; "
+            f"grant it roles/storage.objectUser ({fact.detail})",
+            retry_after=retry,
+        )
+    if fact.outcome == "unreachable":
+        return ReconcileError(
+            c.REASON_BUCKET_UNREACHABLE,
+            f"{where} could not be reached: {fact.detail}",
+            retry_after=retry,
+        )
+    return None
+
+
+def new_status(
+    old_status: Mapping[str, Any] | None,
+    outcome: Outcome,
+    *,
+    generation: int | None,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """The status merge patch: ``observedGeneration`` and the whole ``conditions`` list.
+
+    Other status fields (``jobs``, written by the report receiver) are not part of the patch.
+    """
+    old = list((old_status or {}).get("conditions") or [])
+    conds = c.set_conditions(old, [outcome.ready, outcome.degraded], generation=generation, now=now)
+    patch: dict[str, Any] = {"conditions": conds}
+    if generation is not None:
+        patch["observedGeneration"] = generation
+    return patch
+
+
+# --- effects ----------------------------------------------------------------------------------
+
+
+def _read_json(call: Any, *args: Any, timeout: float) -> dict[str, Any] | None:
+    """``call(*args)`` as JSON; None on 404; :class:`ApiUnavailable` on other API errors."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        resp = call(*args, _preload_content=False, _request_timeout=timeout)
+    except ApiException as exc:
+        status = getattr(exc, "status", None)
+        if status == 404:
+            return None
+        if status == 403:
+            raise ReconcileError(
+                c.REASON_API_ERROR,
+                f"the operator may not read {call.__name__} {args!r}: {exc.reason}; "
+                "grant it get on persistentvolumeclaims, secrets and namespaces",
+                retry_after=60.0,
+            ) from None
+        raise ApiUnavailable(f"Kubernetes API error {status}: {exc.reason}") from None
+    except OSError as exc:
+        raise ApiUnavailable(f"Kubernetes API unreachable: {exc}") from None
+    data: dict[str, Any] = json.loads(resp.data)
+    return data
+
+
+def gather(
+    core_v1: Any,
+    spec: CheckpointPolicySpec,
+    namespace: str,
+    *,
+    check_bucket: bool = True,
+    gcs_timeout: float = 10.0,
+    api_timeout: float = 10.0,
+) -> Facts:
+    """Read the facts :func:`evaluate` needs. ``core_v1`` is a ``kubernetes.client.CoreV1Api``.
+
+    Errors: :class:`ApiUnavailable` when the Kubernetes API fails; GCS failures are facts
+    (``BucketFact``), never exceptions.
+    """
+    ns = _read_json(core_v1.read_namespace, namespace, timeout=api_timeout) or {}
+    labels = dict((ns.get("metadata") or {}).get("labels") or {})
+    pvc_fact = None
+    if spec.tiers.pvc is not None:
+        pvc = _read_json(
+            core_v1.read_namespaced_persistent_volume_claim,
+            spec.tiers.pvc.claim_name,
+            namespace,
+            timeout=api_timeout,
+        )
+        if pvc is None:
+            pvc_fact = PvcFact(found=False)
+        else:
+            pvc_fact = PvcFact(
+                found=True,
+                phase=(pvc.get("status") or {}).get("phase"),
+                access_modes=tuple((pvc.get("spec") or {}).get("accessModes") or ()),
+            )
+    secret_fact = None
+    bucket_fact = None
+    gcs = spec.tiers.gcs
+    if gcs is not None:
+        ref = gcs.credentials.secret_ref
+        if ref is not None:
+            secret = _read_json(
+                core_v1.read_namespaced_secret, ref.name, namespace, timeout=api_timeout
+            )
+            data = (secret or {}).get("data") or {}
+            secret_fact = SecretFact(
+                found=secret is not None,
+                has_key=ref.key in data,
+                key_json=_b64(data.get(ref.key)),
+            )
+        if check_bucket:
+            bucket_fact = check_bucket_reachable(gcs, secret_fact, timeout=gcs_timeout)
+    return Facts(namespace_labels=labels, pvc=pvc_fact, secret=secret_fact, bucket=bucket_fact)
+
+
+def _b64(value: str | None) -> str | None:
+    if value is None:
+        return None
+    import base64
+
+    try:
+        return base64.b64decode(value).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def check_bucket_reachable(
+    gcs: GcsTier, secret: SecretFact | None, *, timeout: float = 10.0
+) -> BucketFact:
+    """Ask GCS for the bucket's metadata (``storage.buckets.get``); never raises.
+
+    Credentials, in order: anonymous when ``STORAGE_EMULATOR_HOST`` is set; the policy's
+    service-account key (SecretRef); the operator's Application Default Credentials; none ->
+    ``not-checked``.
+    """
+    try:
+        from google.api_core import exceptions as gexc
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+    except ImportError:
+        return BucketFact("not-checked", "google-cloud-storage is not installed in the operator")
+    credentials: Any
+    project: str | None = None
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        credentials, project = AnonymousCredentials(), "strata-emulator"  # type: ignore[no-untyped-call]
+    elif secret is not None and secret.key_json:
+        try:
+            from google.oauth2 import service_account
+
+            info = json.loads(secret.key_json)
+            credentials = service_account.Credentials.from_service_account_info(info)  # type: ignore[no-untyped-call]
+            project = info.get("project_id")
+        except (ValueError, KeyError) as exc:
+            return BucketFact(
+                "not-checked", f"the secretRef key is not a service-account key: {exc}"
+            )
+    else:
+        import google.auth
+        from google.auth.exceptions import DefaultCredentialsError
+
+        try:
+            credentials, project = google.auth.default()
+        except DefaultCredentialsError:
+            return BucketFact(
+                "not-checked",
+                "the operator has no Google credentials (workload identity grants the training "
+                "pods, not the operator, access to the bucket)",
+            )
+    try:
+        client = storage.Client(project=project, credentials=credentials)
+        client.bucket(gcs.bucket).reload(timeout=timeout, retry=None)
+    except gexc.NotFound as exc:
+        return BucketFact("not-found", str(exc.message))
+    except gexc.Forbidden as exc:
+        return BucketFact("forbidden", f"the operator's credentials may not read it: {exc.message}")
+    except gexc.GoogleAPICallError as exc:
+        return BucketFact("unreachable", str(exc))
+    except Exception as exc:  # transport errors (requests, urllib3, socket) vary by stack
+        return BucketFact("unreachable", f"{type(exc).__name__}: {exc}")
+    return BucketFact("ok")
