@@ -1,0 +1,660 @@
+"""State tree <-> (manifest tree, tensor views, storages) + data bytes. No pickle.
+
+Encoding (``encode``) walks a training state tree (dicts, lists, tuples, tensors, numbers, RNG
+states, ``state_dict()`` of modules/optimizers ...) and returns an :class:`EncodedState`:
+
+- every tensor is recorded the way ``torch.save`` does it, by its *untyped storage*: tied weights
+  and views keep sharing one storage, and a non-contiguous view restores with its strides and
+  storage offset. Storages are laid out back to back in the data object, each aligned to
+  :data:`strata.manifest.ALIGN` bytes; :func:`write_data` copies them (several threads);
+- every other value becomes tagged JSON (the manifest's ``tree``); a tensor becomes
+  ``{"__tensor__": index}`` into ``Manifest.tensors``.
+
+Tagged JSON (any JSON object whose first key starts with ``__`` is a tag; a user dict with such a
+key, or with non-str keys, is stored as ``{"__dict__": [[key, value], ...]}``):
+
+========================  ==================================================================
+Python value              JSON
+========================  ==================================================================
+None, bool, str, int      themselves (ints outside int64: ``{"__int__": "<decimal>"}``)
+float                     itself; nan/inf/-inf: ``{"__float__": "nan"}`` (exact round trip)
+list                      a list
+tuple / set / frozenset   ``{"__tuple__": [...]}`` / ``{"__set__": [...]}`` / ``{"__frozenset__"}``
+dict (str keys)           an object; OrderedDict (and ``state_dict()._metadata``) via ``__dict__``
+bytes / bytearray         ``{"__bytes__": "<base64>"}``
+complex                   ``{"__complex__": [re, im]}``
+torch dtype/Size/device   ``{"__dtype__": "bfloat16"}``, ``{"__size__": [2, 3]}``, ``{"__device__"}``
+numpy ndarray / scalar    ``{"__ndarray__": {"dtype", "shape", "data": base64}}`` / ``__npscalar__``
+``state_dict()`` owner    its ``state_dict()`` (nn.Module, Optimizer, LR scheduler, ...)
+========================  ==================================================================
+
+So python ``random.getstate()`` (a tuple of ints), numpy RNG states (the legacy tuple with a
+uint32 array, and ``Generator.bit_generator.state`` dicts with 128-bit ints), torch RNG states
+(uint8 tensors) and optimizer ``state_dict()`` (int keys, ``param_groups``) round-trip exactly.
+numpy arrays are stored inline (base64) in the manifest: convert big arrays to tensors.
+
+Anything else raises ``TypeError`` naming its path in the tree (``state['optim']['state'][3]``)
+and what to convert it to.
+
+Loading: :func:`load` builds new tensors (CPU; storages shared as saved, Parameters as
+Parameters). :func:`load_into` copies saved tensors *in place* into the live state (so
+``model.parameters()`` keep their identity), refills live dicts/lists in place, calls
+``load_state_dict`` of live ``state_dict()`` owners, and returns the loaded tree.
+
+Limits: tensors on non-CPU devices are copied to the CPU data object and loaded into live tensors
+on any device; sparse, quantized, meta and tensor-subclass (DTensor, ...) tensors are refused with
+a TypeError saying what to convert them to; conjugate/negative-bit views are resolved first (they
+no longer share storage after a restore).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import math
+import mmap
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from strata.manifest import ALIGN, DEFAULT_CHUNK_SIZE, Manifest, StorageEntry, TensorEntry
+
+TENSOR_TAG = "__tensor__"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_COPY_PIECE = 8 * 1024 * 1024
+"""Bytes per copy task: big storages are split so several threads share one copy."""
+
+Buffer = bytearray | memoryview | mmap.mmap
+
+
+class CodecError(ValueError):
+    """Saved data does not fit the manifest or the live state (names the path and the fix)."""
+
+
+def _np() -> Any:
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy ships with the torch extra
+        return None
+    return numpy
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str, where: str = "manifest") -> torch.dtype:
+    """``'bfloat16'`` -> ``torch.bfloat16``; CodecError for names this torch does not know."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise CodecError(
+            f"{where}: dtype {name!r} is unknown to torch {torch.__version__}; "
+            "restore with the torch version that wrote the checkpoint"
+        )
+    return dt
+
+
+def _key_str(key: Any) -> str:
+    return f"[{key!r}]"
+
+
+# ----------------------------------------------------------------------------------------- encode
+
+
+@dataclass
+class EncodedState:
+    """A state tree split into JSON (``tree``) and storages to copy (``sources``, uint8 views)."""
+
+    tree: Any
+    tensors: list[TensorEntry]
+    storages: list[StorageEntry]
+    sources: list[torch.Tensor]
+    """Per storage, a 1-D uint8 tensor over its bytes (on the tensor's device)."""
+    data_nbytes: int
+
+    def manifest(
+        self,
+        *,
+        job_id: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        writer_id: str,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_crc32c: list[int] | None = None,
+        crc32c: int | None = None,
+    ) -> Manifest:
+        """The shard manifest of this state (checksums None until computed over the data)."""
+        return Manifest(
+            job_id=job_id,
+            step=step,
+            rank=rank,
+            world_size=world_size,
+            writer_id=writer_id,
+            tree=self.tree,
+            tensors=self.tensors,
+            storages=self.storages,
+            data_nbytes=self.data_nbytes,
+            chunk_size=chunk_size,
+            chunk_crc32c=chunk_crc32c,
+            crc32c=crc32c,
+        )
+
+
+@dataclass
+class _Encoder:
+    tensors: list[TensorEntry] = field(default_factory=list)
+    storages: list[StorageEntry] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)
+    by_storage: dict[int, int] = field(default_factory=dict)
+    by_tensor: dict[int, int] = field(default_factory=dict)
+    keep_alive: list[Any] = field(default_factory=list)
+    nbytes: int = 0
+    on_path: set[int] = field(default_factory=set)
+
+    def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
+        idx = self.by_tensor.get(id(t))
+        if idx is None:
+            idx = self._add_tensor(t, path)
+            self.by_tensor[id(t)] = idx
+            self.keep_alive.append(t)  # ids stay unique while encoding
+        node: dict[str, Any] = {TENSOR_TAG: idx}
+        if isinstance(t, torch.nn.Parameter):
+            node["param"] = True
+        return node
+
+    def _add_tensor(self, t: torch.Tensor, path: str) -> int:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(
+                f"cannot checkpoint {path}: tensor subclass {type(t).__qualname__} is not "
+                "supported; convert it to a plain tensor (e.g. DTensor.to_local())"
+            )
+        if t.layout != torch.strided:
+            raise TypeError(
+                f"cannot checkpoint {path}: {t.layout} tensors are not supported; "
+                "convert it with .to_dense()"
+            )
+        if t.is_quantized:
+            raise TypeError(
+                f"cannot checkpoint {path}: quantized tensors are not supported; "
+                "store .int_repr() with its scale and zero point"
+            )
+        if t.is_meta:
+            raise TypeError(f"cannot checkpoint {path}: a meta tensor holds no data")
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+            self.keep_alive.append(t)
+        st = t.untyped_storage()
+        key = st._cdata
+        sidx = self.by_storage.get(key)
+        if sidx is None:
+            offset = -(-self.nbytes // ALIGN) * ALIGN
+            n = st.nbytes()
+            sidx = len(self.storages)
+            self.storages.append(StorageEntry(offset=offset, nbytes=n))
+            src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+            self.sources.append(src)
+            self.by_storage[key] = sidx
+            self.nbytes = offset + n
+        self.tensors.append(
+            TensorEntry(
+                storage=sidx,
+                dtype=_dtype_name(t.dtype),
+                shape=list(t.shape),
+                stride=list(t.stride()),
+                storage_offset=t.storage_offset(),
+                requires_grad=t.requires_grad,
+            )
+        )
+        return len(self.tensors) - 1
+
+    def node(self, obj: Any, path: str) -> Any:
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path)
+        np = _np()
+        if np is not None and isinstance(obj, np.generic):
+            return self._np_scalar(obj, path)
+        if np is not None and isinstance(obj, np.ndarray):
+            return {"__ndarray__": self._np_array(obj, path)}
+        if isinstance(obj, int):
+            if _INT64_MIN <= obj <= _INT64_MAX:
+                return int(obj)
+            return {"__int__": str(int(obj))}
+        if isinstance(obj, float):
+            if math.isfinite(obj):
+                return float(obj)
+            return {"__float__": repr(float(obj))}
+        if isinstance(obj, complex):
+            return {"__complex__": [self.node(obj.real, path), self.node(obj.imag, path)]}
+        if isinstance(obj, (bytes, bytearray)):
+            return {"__bytes__": base64.b64encode(bytes(obj)).decode()}
+        if isinstance(obj, torch.dtype):
+            return {"__dtype__": _dtype_name(obj)}
+        if isinstance(obj, torch.Size):
+            return {"__size__": list(obj)}
+        if isinstance(obj, torch.device):
+            return {"__device__": str(obj)}
+        if isinstance(obj, (list, tuple, set, frozenset, dict)):
+            if id(obj) in self.on_path:
+                raise TypeError(f"cannot checkpoint {path}: it contains itself (a cycle)")
+            self.on_path.add(id(obj))
+            try:
+                return self._container(obj, path)
+            finally:
+                self.on_path.discard(id(obj))
+        if _is_stateful(obj):
+            return self.node(obj.state_dict(), path)
+        raise TypeError(
+            f"cannot checkpoint {path}: {type(obj).__module__}.{type(obj).__qualname__} is not a "
+            "supported type. Strata stores tensors, numbers, str, bytes, None, lists, tuples, "
+            "dicts and sets of these, numpy arrays and scalars, torch dtype/Size/device, and "
+            "objects with state_dict()/load_state_dict(); nothing is pickled. Convert it to one "
+            "of these (e.g. a tensor, a dict of plain values, or its state_dict())."
+        )
+
+    def _container(self, obj: Any, path: str) -> Any:
+        if isinstance(obj, list):
+            return [self.node(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return {"__tuple__": [self.node(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if isinstance(obj, (set, frozenset)):
+            tag = "__frozenset__" if isinstance(obj, frozenset) else "__set__"
+            return {tag: [self.node(v, f"{path}{{...}}") for v in obj]}
+        meta = getattr(obj, "_metadata", None)
+        plain = (
+            type(obj) is dict
+            and meta is None
+            and all(isinstance(k, str) and not k.startswith("__") for k in obj)
+        )
+        if plain:
+            return {k: self.node(v, f"{path}{_key_str(k)}") for k, v in obj.items()}
+        out: dict[str, Any] = {
+            "__dict__": [
+                [self.node(k, f"{path}<key {k!r}>"), self.node(v, f"{path}{_key_str(k)}")]
+                for k, v in obj.items()
+            ]
+        }
+        if isinstance(obj, collections.OrderedDict):
+            out["type"] = "OrderedDict"
+        elif type(obj) is not dict:
+            # defaultdict, custom Mapping subclasses: restored as a plain dict.
+            out["type"] = "dict"
+        if meta is not None:
+            out["metadata"] = self.node(meta, f"{path}._metadata")
+        return out
+
+    def _np_array(self, arr: Any, path: str) -> dict[str, Any]:
+        if arr.dtype.kind in "OV":
+            raise TypeError(
+                f"cannot checkpoint {path}: numpy arrays of dtype {arr.dtype} (objects or "
+                "structured records) are not supported; convert it to numeric arrays or lists"
+            )
+        np = _np()
+        return {
+            "dtype": arr.dtype.str,
+            "shape": list(arr.shape),
+            "data": base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode(),
+        }
+
+    def _np_scalar(self, x: Any, path: str) -> dict[str, Any]:
+        if x.dtype.kind in "OV":
+            raise TypeError(f"cannot checkpoint {path}: numpy scalar of dtype {x.dtype}")
+        return {
+            "__npscalar__": {"dtype": x.dtype.str, "data": base64.b64encode(x.tobytes()).decode()}
+        }
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def encode(state: Any, root: str = "state") -> EncodedState:
+    """Split ``state`` into JSON and storages (nothing is copied yet; see :func:`write_data`).
+
+    Raises ``TypeError`` naming the path (``root[...]...``) of the first unsupported value.
+    The returned sources alias the live tensors: copy them (:func:`write_data`) before the
+    training loop mutates them.
+    """
+    enc = _Encoder()
+    tree = enc.node(state, root)
+    return EncodedState(
+        tree=tree,
+        tensors=enc.tensors,
+        storages=enc.storages,
+        sources=enc.sources,
+        data_nbytes=enc.nbytes,
+    )
+
+
+def _as_uint8(buf: Buffer | torch.Tensor) -> torch.Tensor:
+    if isinstance(buf, torch.Tensor):
+        if buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise ValueError("a data buffer tensor must be 1-D uint8")
+        return buf
+    if len(memoryview(buf)) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def write_data(enc: EncodedState, dst: Buffer | torch.Tensor, pool: Executor | None = None) -> None:
+    """Copy every storage into ``dst`` (writable, >= ``enc.data_nbytes`` bytes) at its offset.
+
+    Alignment padding is zeroed so the data object's bytes (and CRC) depend only on the state.
+    With ``pool`` the copy is split into pieces of at most 8 MiB run on its threads (torch's
+    ``copy_`` releases the GIL). Returns when every byte is copied.
+    """
+    out = _as_uint8(dst)
+    if out.numel() < enc.data_nbytes:
+        raise ValueError(
+            f"destination holds {out.numel()} bytes, the state needs {enc.data_nbytes}"
+        )
+    tasks: list[Callable[[], None]] = []
+    end = 0
+    for entry, src in zip(enc.storages, enc.sources, strict=True):
+        if entry.offset > end:
+            out[end : entry.offset].zero_()
+        for start in range(0, entry.nbytes, _COPY_PIECE):
+            stop = min(start + _COPY_PIECE, entry.nbytes)
+            a, b = entry.offset + start, entry.offset + stop
+            tasks.append(_copy_task(out[a:b], src[start:stop]))
+        end = entry.offset + entry.nbytes
+    if pool is None or len(tasks) <= 1:
+        for task in tasks:
+            task()
+    else:
+        for fut in [pool.submit(task) for task in tasks]:
+            fut.result()
+
+
+def _copy_task(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        dst.copy_(src)
+
+    return run
+
+
+def dumps(state: Any) -> tuple[EncodedState, bytearray]:
+    """Encode ``state`` and copy its storages into a new bytearray (tests, small states)."""
+    enc = encode(state)
+    data = bytearray(enc.data_nbytes)
+    write_data(enc, data)
+    return enc, data
+
+
+# ----------------------------------------------------------------------------------------- decode
+
+
+class _Decoder:
+    """Decodes one manifest's tree against one data buffer."""
+
+    def __init__(self, manifest: Manifest, data: Buffer | torch.Tensor, where: str) -> None:
+        self.m = manifest
+        self.where = where
+        if isinstance(data, bytes):
+            data = bytearray(data)
+        self.buf = _as_uint8(data)
+        if self.buf.numel() < manifest.data_nbytes:
+            raise CodecError(
+                f"{where}: data holds {self.buf.numel()} bytes, the manifest records "
+                f"{manifest.data_nbytes} (truncated shard; restore another step or tier)"
+            )
+        self._owned: dict[int, torch.UntypedStorage] = {}
+        self._new: dict[int, torch.Tensor] = {}
+        self._np = _np()
+
+    # tensors -----------------------------------------------------------------------------------
+    def _check_entry(self, idx: int) -> tuple[TensorEntry, StorageEntry, torch.dtype]:
+        if not 0 <= idx < len(self.m.tensors):
+            raise CodecError(
+                f"{self.where}: tree refers to tensor {idx}, manifest has {len(self.m.tensors)}"
+            )
+        te = self.m.tensors[idx]
+        if te.storage >= len(self.m.storages):
+            raise CodecError(f"{self.where}: tensor {idx} refers to missing storage {te.storage}")
+        se = self.m.storages[te.storage]
+        if se.offset + se.nbytes > self.m.data_nbytes:
+            raise CodecError(f"{self.where}: storage {te.storage} lies beyond the data object")
+        dt = dtype_from_name(te.dtype, self.where)
+        if len(te.shape) != len(te.stride):
+            raise CodecError(
+                f"{self.where}: tensor {idx} has shape {te.shape} but stride {te.stride}"
+            )
+        itemsize = _itemsize(dt)
+        if any(s == 0 for s in te.shape):
+            extent = 0
+        else:
+            extent = (
+                te.storage_offset
+                + 1
+                + sum((n - 1) * s for n, s in zip(te.shape, te.stride, strict=True))
+            ) * itemsize
+        if extent > se.nbytes or any(s < 0 for s in te.stride):
+            raise CodecError(
+                f"{self.where}: tensor {idx} ({te.dtype}{te.shape}, stride {te.stride}, offset "
+                f"{te.storage_offset}) does not fit its {se.nbytes}-byte storage"
+            )
+        return te, se, dt
+
+    def view(self, idx: int) -> torch.Tensor:
+        """A tensor over the data buffer itself (zero copy; valid while the buffer lives)."""
+        te, se, dt = self._check_entry(idx)
+        itemsize = _itemsize(dt)
+        if se.offset % itemsize:
+            raise CodecError(f"{self.where}: storage {te.storage} is misaligned for {te.dtype}")
+        base = self.buf.untyped_storage()
+        start = self.buf.storage_offset() + se.offset
+        return _set(dt, base, start // itemsize + te.storage_offset, te.shape, te.stride)
+
+    def new(self, idx: int, param: bool) -> torch.Tensor:
+        """A new CPU tensor; tensors of one storage share one new storage, as saved."""
+        cached = self._new.get(idx)
+        if cached is not None:
+            return cached
+        te, se, dt = self._check_entry(idx)
+        st = self._owned.get(te.storage)
+        if st is None:
+            st = self.buf[se.offset : se.offset + se.nbytes].clone().untyped_storage()
+            self._owned[te.storage] = st
+        t = _set(dt, st, te.storage_offset, te.shape, te.stride)
+        if param:
+            t = torch.nn.Parameter(t, requires_grad=te.requires_grad)
+        elif te.requires_grad and (dt.is_floating_point or dt.is_complex):
+            t.requires_grad_(True)
+        self._new[idx] = t
+        return t
+
+    # tree --------------------------------------------------------------------------------------
+    def value(self, node: Any, path: str) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [self.value(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            raise CodecError(f"{self.where}: unexpected JSON {type(node).__name__} at {path}")
+        tag = next(iter(node), None)
+        if tag is None or not tag.startswith("__"):
+            return {k: self.value(v, f"{path}{_key_str(k)}") for k, v in node.items()}
+        arg = node[tag]
+        try:
+            if tag == TENSOR_TAG:
+                return self.new(int(arg), bool(node.get("param")))
+            if tag == "__float__":
+                return float(arg)
+            if tag == "__int__":
+                return int(arg)
+            if tag == "__tuple__":
+                return tuple(self.value(v, f"{path}[{i}]") for i, v in enumerate(arg))
+            if tag == "__set__":
+                return {self.value(v, path) for v in arg}
+            if tag == "__frozenset__":
+                return frozenset(self.value(v, path) for v in arg)
+            if tag == "__dict__":
+                return self._dict(node, path)
+            if tag == "__bytes__":
+                return base64.b64decode(arg)
+            if tag == "__complex__":
+                return complex(self.value(arg[0], path), self.value(arg[1], path))
+            if tag == "__dtype__":
+                return dtype_from_name(arg, f"{self.where} at {path}")
+            if tag == "__size__":
+                return torch.Size(int(v) for v in arg)
+            if tag == "__device__":
+                return torch.device(arg)
+            if tag == "__ndarray__":
+                return self._ndarray(arg)
+            if tag == "__npscalar__":
+                return self._np.frombuffer(
+                    base64.b64decode(arg["data"]), dtype=self._np.dtype(arg["dtype"])
+                )[0]
+        except CodecError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise CodecError(f"{self.where}: malformed {tag} node at {path}: {exc}") from None
+        raise CodecError(
+            f"{self.where}: unknown tag {tag!r} at {path}; written by a newer Strata? "
+            "Restore with that version"
+        )
+
+    def _dict(self, node: Mapping[str, Any], path: str) -> dict[Any, Any]:
+        items = []
+        for k_node, v_node in node["__dict__"]:
+            k = self.value(k_node, path)
+            items.append((k, self.value(v_node, f"{path}{_key_str(k)}")))
+        out: dict[Any, Any] = (
+            collections.OrderedDict(items) if node.get("type") == "OrderedDict" else dict(items)
+        )
+        if "metadata" in node:
+            out._metadata = self.value(node["metadata"], f"{path}._metadata")  # type: ignore[attr-defined]
+        return out
+
+    def _ndarray(self, arg: Mapping[str, Any]) -> Any:
+        np = self._np
+        arr = np.frombuffer(base64.b64decode(arg["data"]), dtype=np.dtype(arg["dtype"]))
+        return arr.reshape([int(s) for s in arg["shape"]]).copy()
+
+
+def _itemsize(dt: torch.dtype) -> int:
+    return int(dt.itemsize)
+
+
+def _set(
+    dt: torch.dtype,
+    st: torch.UntypedStorage,
+    offset: int,
+    shape: Sequence[int],
+    stride: Sequence[int],
+) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # complex32 / bcomplex32 tensors warn "experimental" on creation; the user chose them.
+        warnings.filterwarnings(
+            "ignore", message=".*support is experimental.*", category=UserWarning
+        )
+        return torch.empty(0, dtype=dt).set_(st, offset, list(shape), list(stride))
+
+
+def load(manifest: Manifest, data: Buffer | bytes | torch.Tensor, where: str = "shard") -> Any:
+    """The saved state tree with new CPU tensors (storages shared as saved). Pure.
+
+    ``data``: the shard's data object (at least ``manifest.data_nbytes`` bytes; an mmap must be
+    writable or MAP_PRIVATE: torch refuses read-only buffers). Raises :class:`CodecError`
+    naming ``where`` for a manifest that does not fit its data.
+    """
+    dec = _Decoder(manifest, data, where)
+    return dec.value(manifest.tree, "state")
+
+
+def load_into(
+    state: Any, manifest: Manifest, data: Buffer | bytes | torch.Tensor, where: str = "shard"
+) -> Any:
+    """Load the saved tree into the live ``state`` in place; return the loaded tree.
+
+    - A saved tensor whose live counterpart (same path) is a tensor is copied into it in place
+      (``torch.no_grad``; any device); dtype or shape differences raise :class:`CodecError`
+      naming the path (the model does not match the checkpoint).
+    - A live dict / list is refilled in place with the saved keys / items.
+    - A live object with ``load_state_dict`` gets ``load_state_dict(<loaded state_dict>)``.
+    - Anything else (or a missing live counterpart) is taken from the checkpoint (new tensors).
+
+    The returned tree holds the live objects where they were updated in place.
+    """
+    dec = _Decoder(manifest, data, where)
+    with torch.no_grad():
+        return _into(dec, manifest.tree, state, "state")
+
+
+def _into(dec: _Decoder, node: Any, live: Any, path: str) -> Any:
+    if _is_stateful(live) and not isinstance(live, (dict, list, torch.Tensor)):
+        loaded = _into(dec, node, live.state_dict(), path)
+        live.load_state_dict(loaded)
+        return live
+    if isinstance(node, dict) and node:
+        tag = next(iter(node))
+        if tag == TENSOR_TAG and isinstance(live, torch.Tensor):
+            src = dec.view(int(node[TENSOR_TAG]))
+            if src.dtype != live.dtype or src.shape != live.shape:
+                raise CodecError(
+                    f"{dec.where}: the checkpoint holds {_dtype_name(src.dtype)}{list(src.shape)} "
+                    f"at {path} but the live tensor is {_dtype_name(live.dtype)}"
+                    f"{list(live.shape)}: the model does not match the checkpoint (another "
+                    "architecture or configuration?); build the same model or restore fresh"
+                )
+            live.copy_(src)
+            return live
+        if not tag.startswith("__") and isinstance(live, dict) and type(live) is dict:
+            items = [
+                (k, _into(dec, v, live.get(k), f"{path}{_key_str(k)}")) for k, v in node.items()
+            ]
+            live.clear()
+            live.update(items)
+            return live
+        if tag == "__dict__" and isinstance(live, dict):
+            items = []
+            for k_node, v_node in node["__dict__"]:
+                k = dec.value(k_node, path)
+                items.append((k, _into(dec, v_node, live.get(k), f"{path}{_key_str(k)}")))
+            live.clear()
+            live.update(items)
+            if "metadata" in node:
+                live._metadata = dec.value(node["metadata"], f"{path}._metadata")  # type: ignore[attr-defined]
+            return live
+        if tag == "__tuple__" and isinstance(live, tuple) and len(live) == len(node[tag]):
+            return tuple(
+                _into(dec, v, lv, f"{path}[{i}]")
+                for i, (v, lv) in enumerate(zip(node[tag], live, strict=True))
+            )
+    if isinstance(node, list) and isinstance(live, list):
+        n = len(live)
+        items = [
+            _into(dec, v, live[i] if i < n else None, f"{path}[{i}]") for i, v in enumerate(node)
+        ]
+        live[:] = items
+        return live
+    return dec.value(node, path)
+
+
+def iter_tensor_paths(tree: Any, path: str = "state") -> Iterator[tuple[str, int]]:
+    """(path, tensor index) of every tensor node of a manifest tree (diagnostics, tests)."""
+    if isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from iter_tensor_paths(v, f"{path}[{i}]")
+    elif isinstance(tree, dict) and tree:
+        tag = next(iter(tree))
+        if tag == TENSOR_TAG:
+            yield path, int(tree[TENSOR_TAG])
+        elif tag in ("__tuple__", "__set__", "__frozenset__"):
+            for i, v in enumerate(tree[tag]):
+                yield from iter_tensor_paths(v, f"{path}[{i}]")
+        elif tag == "__dict__":
+            for k, v in tree[tag]:
+                yield from iter_tensor_paths(v, f"{path}[{k!r}]")
+        elif not tag.startswith("__"):
+            for k, v in tree.items():
+                yield from iter_tensor_paths(v, f"{path}{_key_str(k)}")

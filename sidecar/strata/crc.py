@@ -1,0 +1,200 @@
+"""CRC32C (Castagnoli) helpers on google-crc32c: per-chunk and whole-object checksums.
+
+A shard's data object is checksummed per ``chunk_size`` bytes (``Manifest.chunk_crc32c``, so a
+partial read can be verified) and as a whole (``Manifest.crc32c``, the value GCS stores as the
+object's ``crc32c``). The whole-object CRC is derived from the chunk CRCs with
+:func:`crc32c_combine` instead of a second pass over the data, so chunks can be checksummed in
+parallel threads (google-crc32c's C implementation releases the GIL for large buffers).
+
+:func:`crc32c_combine` is zlib's ``crc32_combine`` (GF(2) matrix method, Mark Adler) with the
+Castagnoli polynomial: ``crc(A + B) = combine(crc(A), crc(B), len(B))``.
+
+google-crc32c's Python entry points accept only ``bytes`` and hold the GIL. For writable buffers
+(slot mmaps, bytearrays) this module calls the same vendored ``libcrc32c`` through ctypes instead:
+no copy, and ctypes releases the GIL, so threads do checksum in parallel. Without that library it
+falls back to ``google_crc32c.value(bytes(chunk))``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import google_crc32c
+
+from strata.manifest import DEFAULT_CHUNK_SIZE
+
+_POLY = 0x82F63B78
+"""CRC32C polynomial, reflected (bit-reversed 0x1EDC6F41)."""
+
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+
+def _load_libcrc32c() -> ctypes.CDLL | None:
+    libs = os.path.join(
+        os.path.dirname(os.path.dirname(google_crc32c.__file__)), "google_crc32c.libs"
+    )
+    for path in sorted(glob.glob(os.path.join(libs, "libcrc32c*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)
+            fn = lib.crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_uint32
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        return lib
+    return None
+
+
+_LIB = _load_libcrc32c()
+
+
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """CRC32C of ``data``, continuing from ``value`` (0 starts a new checksum)."""
+    if isinstance(data, bytes):
+        return int(google_crc32c.extend(value, data))
+    view = memoryview(data).cast("B")
+    try:
+        return _crc_view(view, value)
+    finally:
+        view.release()
+
+
+def _crc_view(view: memoryview, value: int = 0) -> int:
+    n = view.nbytes
+    if n == 0:
+        return value
+    if _LIB is not None and not view.readonly and view.contiguous:
+        cbuf = (ctypes.c_char * n).from_buffer(view)
+        try:
+            return int(_LIB.crc32c_extend(value, ctypes.addressof(cbuf), n))
+        finally:
+            del cbuf
+    return int(google_crc32c.extend(value, view.tobytes()))
+
+
+def _gf2_times(mat: Sequence[int], vec: int) -> int:
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: Sequence[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def _zero_operators() -> list[list[int]]:
+    """``ops[k]`` appends ``2**k`` zero bytes to a CRC register (k = 0..63)."""
+    one_bit = [_POLY] + [1 << n for n in range(31)]
+    op = _gf2_square(_gf2_square(_gf2_square(one_bit)))  # 8 zero bits = one byte
+    ops = [op]
+    for _ in range(63):
+        op = _gf2_square(op)
+        ops.append(op)
+    return ops
+
+
+_ZERO_OPS = _zero_operators()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``A + B`` from ``crc1 = crc32c(A)``, ``crc2 = crc32c(B)``, ``len2 = len(B)`` bytes."""
+    if len2 < 0:
+        raise ValueError(f"len2 must be >= 0, got {len2}")
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_ZERO_OPS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+def combine_chunks(chunk_crcs: Sequence[int], nbytes: int, chunk_size: int) -> int:
+    """Whole-object CRC32C from the CRCs of consecutive ``chunk_size`` chunks of ``nbytes`` bytes."""
+    expected = n_chunks(nbytes, chunk_size)
+    if len(chunk_crcs) != expected:
+        raise ValueError(f"{len(chunk_crcs)} chunk CRCs for {nbytes} bytes, expected {expected}")
+    total = 0
+    for i, c in enumerate(chunk_crcs):
+        length = min(chunk_size, nbytes - i * chunk_size)
+        total = crc32c_combine(total, c, length) if i else c
+    return total
+
+
+def n_chunks(nbytes: int, chunk_size: int) -> int:
+    """Number of chunks of ``chunk_size`` covering ``nbytes`` (0 bytes -> 0 chunks)."""
+    return (nbytes + chunk_size - 1) // chunk_size
+
+
+def chunk_crcs(
+    data: Buffer, nbytes: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE, threads: int = 1
+) -> tuple[list[int], int]:
+    """(CRC32C of each ``chunk_size`` chunk of the first ``nbytes`` of ``data``, whole CRC32C).
+
+    ``threads`` > 1 checksums chunks in parallel; the whole-object CRC is combined, not recomputed.
+    """
+    view = memoryview(data).cast("B")
+    n = len(view) if nbytes is None else nbytes
+    if n > len(view):
+        raise ValueError(f"asked to checksum {n} bytes of a {len(view)}-byte buffer")
+    starts = range(0, n, chunk_size)
+
+    def one(start: int) -> int:
+        with view[start : min(start + chunk_size, n)] as piece:
+            return _crc_view(piece)
+
+    try:
+        if threads > 1 and len(starts) > 1:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="strata-crc") as pool:
+                crcs = list(pool.map(one, starts))
+        else:
+            crcs = [one(s) for s in starts]
+    finally:
+        view.release()
+    whole = combine_chunks(crcs, n, chunk_size) if crcs else 0
+    return crcs, whole
+
+
+def file_chunk_crcs(
+    path: str | os.PathLike[str],
+    nbytes: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    threads: int = 1,
+) -> tuple[list[int], int]:
+    """:func:`chunk_crcs` of the first ``nbytes`` of the file at ``path`` (read through mmap).
+
+    Raises ``ValueError`` naming the file when it is shorter than ``nbytes`` (truncated shard).
+    """
+    if nbytes == 0:
+        return [], 0
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < nbytes:
+            raise ValueError(f"{Path(path)} holds {size} bytes, the manifest records {nbytes}")
+        # A private writable mapping of a read-only file: nothing is ever written (so nothing is
+        # copied), but ctypes can take its address and checksum it without the GIL.
+        with mmap.mmap(
+            f.fileno(), nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        ) as mm:
+            return chunk_crcs(mm, nbytes, chunk_size, threads)
+
+
+def first_bad_chunk(actual: Sequence[int], expected: Sequence[int]) -> int | None:
+    """Index of the first chunk whose CRC differs (or where lengths differ), else None."""
+    for i, (a, e) in enumerate(zip(actual, expected, strict=False)):
+        if a != e:
+            return i
+    if len(actual) != len(expected):
+        return min(len(actual), len(expected))
+    return None

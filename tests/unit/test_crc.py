@@ -1,0 +1,67 @@
+"""CRC32C helpers: combine equals the checksum of the concatenation; chunking; files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import google_crc32c
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strata import crc
+
+pytestmark = pytest.mark.unit
+
+
+def test_known_vector() -> None:
+    # RFC 3720 (iSCSI) B.4: CRC32C of 32 zero bytes is 0x8A9136AA.
+    assert crc.crc32c(bytes(32)) == 0x8A9136AA
+    assert crc.crc32c(b"123456789") == 0xE3069283
+
+
+@given(a=st.binary(max_size=300), b=st.binary(max_size=300))
+@settings(max_examples=200, deadline=None)
+def test_combine_equals_crc_of_concatenation(a: bytes, b: bytes) -> None:
+    whole = google_crc32c.value(a + b)
+    assert crc.crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b)) == whole
+
+
+def test_combine_large_length() -> None:
+    b = os.urandom(1 << 20) + bytes(3)
+    a = b"prefix"
+    assert crc.crc32c_combine(crc.crc32c(a), crc.crc32c(b), len(b)) == crc.crc32c(a + b)
+
+
+def test_extend_continues() -> None:
+    assert crc.crc32c(b"world", crc.crc32c(b"hello ")) == crc.crc32c(b"hello world")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 4096, 10_000])
+def test_chunk_crcs_combine_to_whole(nbytes: int, threads: int) -> None:
+    data = os.urandom(nbytes + 17)  # a longer buffer: only the first nbytes count
+    chunks, whole = crc.chunk_crcs(data, nbytes, chunk_size=4096, threads=threads)
+    assert len(chunks) == crc.n_chunks(nbytes, 4096)
+    assert chunks == [
+        google_crc32c.value(data[i : min(i + 4096, nbytes)]) for i in range(0, nbytes, 4096)
+    ]
+    assert whole == (google_crc32c.value(data[:nbytes]) if nbytes else 0)
+
+
+def test_file_chunk_crcs_and_truncation(tmp_path: Path) -> None:
+    data = os.urandom(50_000)
+    p = tmp_path / "x.data"
+    p.write_bytes(data)
+    chunks, whole = crc.file_chunk_crcs(p, 40_000, chunk_size=8192, threads=2)
+    assert whole == google_crc32c.value(data[:40_000])
+    assert crc.combine_chunks(chunks, 40_000, 8192) == whole
+    with pytest.raises(ValueError, match=r"x\.data holds 50000 bytes"):
+        crc.file_chunk_crcs(p, 60_000)
+
+
+def test_first_bad_chunk() -> None:
+    assert crc.first_bad_chunk([1, 2, 3], [1, 2, 3]) is None
+    assert crc.first_bad_chunk([1, 9, 3], [1, 2, 3]) == 1
+    assert crc.first_bad_chunk([1, 2], [1, 2, 3]) == 2
