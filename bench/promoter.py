@@ -1,0 +1,77 @@
+"""Background promoter for the interference figure: promote one shard to a directory, in a loop.
+
+``python -m bench.promoter --ready FILE --src DATA --manifest MANIFEST --dst DIR [--mode M]``
+
+``--mode strata`` (default when Strata's tiers are importable) runs Strata's own promotion path
+(:func:`bench.strata_cases.promote_once`, the code the sidecar runs); ``--mode cfr`` is a plain
+``copy_file_range`` + fsync loop. The process touches ``FILE`` once it is ready, counts finished
+promotions into ``FILE.count`` and exits on SIGTERM after the promotion in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+from pathlib import Path
+
+
+def _cfr_once(src: Path, dst_dir: Path) -> None:
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    dst = dst_dir / src.name
+    size = src.stat().st_size
+    fin = os.open(src, os.O_RDONLY)
+    fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < size:
+            n = os.copy_file_range(fin, fout, size - done, done, done)
+            if n == 0:
+                break
+            done += n
+        os.fsync(fout)
+    finally:
+        os.close(fin)
+        os.close(fout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--ready", type=Path, required=True)
+    ap.add_argument("--src", type=Path, required=True, help="committed RAM shard data file")
+    ap.add_argument("--manifest", type=Path, help="its manifest (strata mode)")
+    ap.add_argument("--dst", type=Path, required=True, help="PVC-like directory")
+    ap.add_argument("--mode", choices=["strata", "cfr"], default="strata")
+    args = ap.parse_args(argv)
+
+    stop = False
+
+    def on_term(_sig: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    if args.mode == "strata":
+        from bench.strata_cases import promote_once
+
+        def once() -> None:
+            promote_once(args.src, args.manifest, args.dst)
+    else:
+
+        def once() -> None:
+            _cfr_once(args.src, args.dst)
+
+    count = 0
+    args.ready.touch()
+    while not stop:
+        once()
+        count += 1
+        args.ready.with_suffix(".count").write_text(str(count))
+        # Each round starts from an empty target, like promoting a new step.
+        shutil.rmtree(args.dst, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

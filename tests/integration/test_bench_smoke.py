@@ -1,0 +1,68 @@
+"""A tiny run of the benchmark (``python -m bench.run --smoke``): the harness works end to end.
+
+Real parts: Strata's client on /dev/shm, its PVC tier on the disk, fake-gcs-server with the real
+google-cloud-storage client, a real background promoter process. No timing is asserted (the
+machine is shared); the test checks that the report a user reads is produced and well formed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+REQUIRED_RATIOS = (
+    "save_stall_over_memcpy",
+    "save_speedup_vs_torch_save",
+    "save_speedup_vs_dcp_save",
+    "save_speedup_vs_dcp_async_blocking",
+    "promote_pvc_over_cp",
+    "restore_ram_over_memcpy",
+    "interference_fraction",
+)
+
+
+def test_bench_smoke_writes_ratios_json_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "--smoke",
+            "--out",
+            str(out),
+            "--name",
+            "smoke",
+            "--disk-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "smoke.json").read_text())
+    ratios = report["ratios"]
+    for key in REQUIRED_RATIOS:
+        assert key in ratios, f"{key} missing from ratios; notes: {report['notes']}"
+        assert math.isfinite(ratios[key]), f"{key} = {ratios[key]}; notes: {report['notes']}"
+    # The saves and restores it timed are of the workload's real size (292 GPT-2 tensors).
+    assert report["workloads"]["W1"]["tensors"] == 292
+    save = next(v for k, v in report["sections"].items() if k.startswith("save W1"))
+    assert save["cases"]["strata_save"]["error"] is None
+    assert save["cases"]["torch_save"]["stats"]["seconds"]["n"] >= 1
+    assert "median s" in proc.stdout  # the printed table
+    assert (out / "smoke.png").stat().st_size > 10_000
+    assert not report["notes"], report["notes"]
