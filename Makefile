@@ -25,7 +25,7 @@ venv: $(STAMP) ## create .venv and install strata with all extras
 demo: $(STAMP) ## the main job: train a small LM, checkpoint through RAM -> PVC -> GCS, recover from each tier
 	$(BIN)/python -m strata.demo $(DEMO_ARGS)
 
-test: $(STAMP) lint crds-check tools ## every test: lint, CRD freshness, unit, integration, e2e
+test: $(STAMP) lint crds-check tools manifests-check ## every test: lint, CRD freshness, unit, integration, e2e
 	$(BIN)/python -m pytest -p no:cacheprovider tests e2e $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## unit tests only
@@ -51,9 +51,25 @@ typecheck: $(STAMP) ## mypy strict on the packages
 
 crds: $(STAMP) ## regenerate crds/ from the pydantic models
 	$(BIN)/python -m strata_operator.crdgen --out crds/
+	cp crds/checkpointpolicies.strata.dev.yaml charts/strata/files/crds/
+	@if [ -x "$$(bash e2e/build-tools.sh --print-dir)/helm" ]; then $(MAKE) --no-print-directory manifests; \
+	  else echo "helm is not built yet: run 'make tools manifests' to refresh manifests/strata.yaml"; fi
 
 crds-check: $(STAMP) ## fail when crds/ is not what `make crds` generates
 	$(BIN)/python -m strata_operator.crdgen --check crds/
+
+manifests: $(STAMP) ## render manifests/strata.yaml (kubectl apply install) and the chart's values.schema.json (needs helm: make tools)
+	$(BIN)/python charts/strata/hack/gen-schema.py
+	@mkdir -p manifests
+	bash charts/strata/hack/render-manifests.sh > manifests/strata.yaml.tmp
+	mv manifests/strata.yaml.tmp manifests/strata.yaml
+
+manifests-check: $(STAMP) tools ## fail when manifests/strata.yaml, the chart's CRD copy or values.schema.json are stale
+	$(BIN)/python charts/strata/hack/gen-schema.py --check
+	@cmp -s crds/checkpointpolicies.strata.dev.yaml charts/strata/files/crds/checkpointpolicies.strata.dev.yaml \
+	  || { echo "charts/strata/files/crds/ differs from crds/: run make crds"; exit 1; }
+	@bash charts/strata/hack/render-manifests.sh | cmp -s - manifests/strata.yaml \
+	  || { echo "manifests/strata.yaml is stale: run make manifests"; exit 1; }
 
 tools: ## build (or reuse) kube-apiserver, controller-manager, scheduler, kwok, helm into ~/.cache/strata
 	bash e2e/build-tools.sh
