@@ -168,7 +168,9 @@ Quantity = Annotated[
 
 def _check_size_limit(value: str) -> str:
     if parse_quantity(value) < 1024 * 1024:
-        raise ValueError(f"sizeLimit {value!r} is below 1Mi; size the RAM tier for the shards")
+        raise ValueError(
+            f"sizeLimit must be at least 1Mi (got {value!r}); size the RAM tier for the shards"
+        )
     return value
 
 
@@ -194,7 +196,7 @@ SizeLimit = Annotated[
 
 def _check_duration(value: str) -> str:
     if parse_duration(value) < 1:
-        raise ValueError(f"duration {value!r} is below 1s; write e.g. 30s, 15m or 1h")
+        raise ValueError(f"duration must be at least 1s (got {value!r}); write e.g. 30s, 15m or 1h")
     return value
 
 
