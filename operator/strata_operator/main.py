@@ -52,7 +52,7 @@ from strata_operator.reconcile import (
     parse_spec,
 )
 
-EXTENSION_MODULES: tuple[str, ...] = ()
+EXTENSION_MODULES: tuple[str, ...] = ("strata_operator.webhook", "strata_operator.receiver")
 """Modules that register more kopf handlers on import (e.g. ``strata_operator.webhook``)."""
 
 PERSISTENCE_PREFIX = "strata.dev"

@@ -1,0 +1,541 @@
+"""Report receiver: sidecar reports -> ``CheckpointPolicy.status.jobs[]``, Events and metrics.
+
+An HTTPS endpoint (aiohttp, own port, started from a kopf startup handler and stopped at cleanup)
+accepting ``POST /v1/reports`` with a :class:`strata.reports.SidecarReport` body and
+``Authorization: Bearer <projected service-account token>``. Each report is checked in this
+order, and a failure is answered with the status below and counted in
+``strata_reports_rejected_total{reason}``:
+
+1. a bearer token is present (401 ``missing-token``);
+2. a TokenReview for the report audience says it is authenticated and bound to a pod
+   (``authentication.kubernetes.io/pod-name`` in the user's extra) (401 ``bad-token``);
+3. the body parses as a ``SidecarReport`` (400 ``malformed``);
+4. the token's service account is in the report's namespace (403 ``namespace-mismatch``) and its
+   pod is the report's pod (403 ``pod-mismatch``);
+5. the pod exists with the token's pod uid (403 ``pod-not-found``) and carries the label
+   ``strata.dev/policy: <report.policy>`` (403 ``policy-mismatch``);
+6. the policy exists (404 ``policy-not-found``).
+
+Accepted reports are folded (:func:`fold_report`, pure) into ``status.jobs[]``: one entry per job
+id, newest first, at most :data:`strata_operator.api.MAX_JOBS`; each with the newest complete step
+per tier, the last restore (tier, step, seconds, outcome, time) and the last error; and
+``status.newestCompleteStep`` of the job reported last (printer columns). The status is written
+with a merge patch guarded by ``resourceVersion`` (a conflict re-reads and re-folds), then Events
+are posted on the policy: ``Restored`` (Normal), ``FreshStart``/``RestoreFailed``/``TierFailed``
+(Warning), each only for restores and errors newer than what the status already held, so a
+re-sent report does not repeat them.
+
+Pods labelled for a policy but running without the sidecar (the webhook was skipped under
+``failurePolicy: Ignore``, C-10) get a ``NotProtected`` Warning Event, on the pod and on the
+policy, once per pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import ssl
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from aiohttp import web
+from pydantic import ValidationError
+
+from strata.reports import REPORT_PATH, SidecarReport
+from strata_operator import api, certs
+from strata_operator import metrics as m
+from strata_operator.mutation import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_NAME
+
+log = logging.getLogger("strata.receiver")
+
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+SA_PREFIX = "system:serviceaccount:"
+COMPONENT = "strata-operator"
+MAX_BODY_BYTES = 256 * 1024
+
+REASON_RESTORED = "Restored"
+REASON_FRESH_START = "FreshStart"
+REASON_RESTORE_FAILED = "RestoreFailed"
+REASON_TIER_FAILED = "TierFailed"
+REASON_NOT_PROTECTED = "NotProtected"
+
+
+class Rejected(Exception):
+    """A report refused with an HTTP ``status`` and a metrics ``reason``."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    type: str
+    reason: str
+    message: str
+
+
+# --- folding (pure) ---------------------------------------------------------------------------
+
+
+def _fmt(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def fold_report(
+    jobs: Sequence[Mapping[str, Any]],
+    report: SidecarReport,
+    *,
+    now: datetime,
+    max_jobs: int = api.MAX_JOBS,
+) -> tuple[list[dict[str, Any]], list[EventSpec]]:
+    """Fold ``report`` into a ``status.jobs`` list (camelCase JSON); returns (jobs, events).
+
+    The job's entry moves to the front (newest first); the list keeps ``max_jobs`` entries,
+    dropping the least recently updated. Per tier, the reported ``newest_complete_step`` replaces
+    the stored one (a tier the report does not mention keeps its value: the RAM of a recreated
+    pod is empty, so the newest report is the truth, not the maximum). The last restore and last
+    error are replaced only by newer ones (by their own time); only those produce events.
+    """
+    old = next((dict(j) for j in jobs if j.get("jobId") == report.job_id), None) or {}
+    steps: dict[str, int] = dict(old.get("newestCompleteStep") or {})
+    for tier, state in report.tiers.items():
+        if state.newest_complete_step is not None:
+            steps[tier] = state.newest_complete_step
+    events: list[EventSpec] = []
+    where = f"job {report.job_id} (pod {report.pod_name})"
+
+    last_restore = old.get("lastRestore")
+    old_restore_time = _parse_time((last_restore or {}).get("time"))
+    for restore in sorted(report.restores, key=lambda r: r.time):
+        if old_restore_time is not None and restore.time <= old_restore_time:
+            continue
+        entry: dict[str, Any] = {"outcome": restore.outcome, "time": _fmt(restore.time)}
+        if restore.tier is not None:
+            entry["tier"] = restore.tier
+        if restore.step is not None:
+            entry["step"] = restore.step
+        entry["seconds"] = round(restore.seconds, 3)
+        last_restore = entry
+        old_restore_time = restore.time
+        rank = "" if restore.rank is None else f" rank {restore.rank}"
+        skipped = f"; skipped: {', '.join(restore.skipped)}" if restore.skipped else ""
+        if restore.outcome == "restored":
+            events.append(
+                EventSpec(
+                    "Normal",
+                    REASON_RESTORED,
+                    f"{where}{rank} restored step {restore.step} from tier {restore.tier} in "
+                    f"{restore.seconds:.2f} s ({restore.bytes} bytes){skipped}",
+                )
+            )
+        elif restore.outcome == "fresh-start":
+            events.append(
+                EventSpec(
+                    "Warning",
+                    REASON_FRESH_START,
+                    f"{where}{rank} found no restorable step and started from scratch "
+                    f"(restore.allowFreshStart){skipped}",
+                )
+            )
+        else:
+            events.append(
+                EventSpec(
+                    "Warning",
+                    REASON_RESTORE_FAILED,
+                    f"{where}{rank} could not restore any step{skipped}",
+                )
+            )
+
+    last_error = old.get("lastError")
+    old_error_time = _parse_time((last_error or {}).get("time"))
+    for error in sorted(report.errors, key=lambda e: e.time):
+        if old_error_time is not None and error.time <= old_error_time:
+            continue
+        last_error = {"message": error.message[:2048], "time": _fmt(error.time)}
+        if error.tier is not None:
+            last_error["tier"] = error.tier
+        old_error_time = error.time
+        part = f"tier {error.tier}" if error.tier else "sidecar"
+        events.append(
+            EventSpec("Warning", REASON_TIER_FAILED, f"{where}: {part} failed: {error.message}")
+        )
+
+    entry_job = api.JobStatus.model_validate(
+        {
+            "jobId": report.job_id,
+            "newestCompleteStep": steps,
+            **({"lastRestore": last_restore} if last_restore else {}),
+            **({"lastError": last_error} if last_error else {}),
+            "updateTime": _fmt(now),
+        }
+    ).model_dump(mode="json", by_alias=True, exclude_none=True)
+    others = [dict(j) for j in jobs if j.get("jobId") != report.job_id]
+    return [entry_job, *others][:max_jobs], events
+
+
+# --- the server -------------------------------------------------------------------------------
+
+
+@dataclass
+class ReceiverState:
+    """Run-time state of the receiver (``memo["receiver"]``)."""
+
+    host: str
+    port: int
+    audience: str
+    tls: certs.TlsFiles
+    auth_api: Any = None
+    core_api: Any = None
+    custom_api: Any = None
+    runner: web.AppRunner | None = None
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    warned_pods: OrderedDict[str, None] = field(default_factory=OrderedDict)
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+
+def _review_token(auth_api: Any, token: str, audience: str) -> dict[str, Any]:
+    from kubernetes import client
+
+    review = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[audience]))
+    resp = auth_api.create_token_review(review, _request_timeout=10)
+    status = resp.status
+    if status is None or not status.authenticated:
+        raise Rejected(401, "bad-token", f"token not authenticated: {getattr(status, 'error', '')}")
+    if audience not in (status.audiences or []):
+        raise Rejected(401, "bad-token", f"token is not for audience {audience!r}")
+    user = status.user
+    extra = user.extra or {}
+    pod_names = extra.get(POD_NAME_EXTRA) or []
+    if not pod_names:
+        raise Rejected(401, "bad-token", "token is not bound to a pod (use a projected token)")
+    username = user.username or ""
+    if not username.startswith(SA_PREFIX):
+        raise Rejected(401, "bad-token", f"token of {username!r} is not a service account's")
+    namespace = username[len(SA_PREFIX) :].split(":", 1)[0]
+    pod_uids = extra.get(POD_UID_EXTRA) or []
+    return {
+        "namespace": namespace,
+        "pod_name": pod_names[0],
+        "pod_uid": pod_uids[0] if pod_uids else None,
+    }
+
+
+def _get_pod(core_api: Any, namespace: str, name: str) -> dict[str, Any] | None:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        resp = core_api.read_namespaced_pod(
+            name, namespace, _preload_content=False, _request_timeout=10
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    data: dict[str, Any] = json.loads(resp.data)
+    return data
+
+
+def _get_policy(custom_api: Any, namespace: str, name: str) -> dict[str, Any] | None:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        obj: dict[str, Any] = custom_api.get_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, name, _request_timeout=10
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return obj
+
+
+def _patch_status(
+    custom_api: Any, namespace: str, name: str, resource_version: str, status: dict[str, Any]
+) -> bool:
+    """Merge-patch status guarded by resourceVersion; False on a conflict (409)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        custom_api.patch_namespaced_custom_object_status(
+            api.GROUP,
+            api.VERSION,
+            namespace,
+            api.PLURAL,
+            name,
+            {"metadata": {"resourceVersion": resource_version}, "status": status},
+            field_manager=COMPONENT,
+            _content_type="application/merge-patch+json",
+            _request_timeout=10,
+        )
+    except ApiException as exc:
+        if exc.status == 409:
+            return False
+        raise
+    return True
+
+
+def post_event(
+    core_api: Any, obj: Mapping[str, Any], event: EventSpec, *, now: datetime | None = None
+) -> None:
+    """Create a core/v1 Event about ``obj`` (kubectl describe lists it); errors are logged only."""
+    from kubernetes.client.exceptions import ApiException
+
+    meta = obj.get("metadata") or {}
+    stamp = _fmt(now or datetime.now(UTC))
+    body = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "generateName": f"{meta.get('name', 'strata')[:200]}.",
+            "namespace": meta.get("namespace"),
+        },
+        "involvedObject": {
+            "apiVersion": obj.get("apiVersion"),
+            "kind": obj.get("kind"),
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+            "resourceVersion": meta.get("resourceVersion"),
+        },
+        "reason": event.reason,
+        "message": event.message[:1024],
+        "type": event.type,
+        "source": {"component": COMPONENT},
+        "reportingComponent": COMPONENT,
+        "reportingInstance": COMPONENT,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+    try:
+        core_api.create_namespaced_event(meta.get("namespace"), body, _request_timeout=10)
+    except (ApiException, OSError) as exc:
+        log.warning("could not post event %s on %s: %s", event.reason, meta.get("name"), exc)
+
+
+async def handle_report(state: ReceiverState, request: web.Request) -> web.Response:
+    start = time.perf_counter()
+    try:
+        result = await _handle(state, request)
+        m.REPORTS_RECEIVED.inc()
+        return web.json_response(result, status=202)
+    except Rejected as rej:
+        m.REPORTS_REJECTED.labels(reason=rej.reason).inc()
+        log.info("report rejected (%s): %s", rej.reason, rej.message)
+        return web.json_response({"error": rej.reason, "message": rej.message}, status=rej.status)
+    finally:
+        m.REPORT_DURATION.observe(time.perf_counter() - start)
+
+
+async def _handle(state: ReceiverState, request: web.Request) -> dict[str, Any]:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Rejected(401, "missing-token", "Authorization: Bearer <token> is required")
+    identity = await asyncio.to_thread(_review_token, state.auth_api, token.strip(), state.audience)
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise Rejected(400, "malformed", f"body larger than {MAX_BODY_BYTES} bytes")
+    raw = await request.read()
+    if len(raw) > MAX_BODY_BYTES:
+        raise Rejected(400, "malformed", f"body larger than {MAX_BODY_BYTES} bytes")
+    try:
+        report = SidecarReport.model_validate_json(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in exc.errors()
+        )
+        raise Rejected(400, "malformed", f"not a SidecarReport: {problems}"[:1024]) from None
+    if identity["namespace"] != report.namespace:
+        raise Rejected(
+            403,
+            "namespace-mismatch",
+            f"token of namespace {identity['namespace']!r} cannot report for namespace "
+            f"{report.namespace!r}",
+        )
+    if identity["pod_name"] != report.pod_name:
+        raise Rejected(
+            403,
+            "pod-mismatch",
+            f"token of pod {identity['pod_name']!r} cannot report for pod {report.pod_name!r}",
+        )
+    pod = await asyncio.to_thread(_get_pod, state.core_api, report.namespace, report.pod_name)
+    pod_uid = ((pod or {}).get("metadata") or {}).get("uid")
+    if pod is None or (identity["pod_uid"] and identity["pod_uid"] != pod_uid):
+        raise Rejected(403, "pod-not-found", f"pod {report.namespace}/{report.pod_name} not found")
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if labels.get(POLICY_LABEL) != report.policy:
+        raise Rejected(
+            403,
+            "policy-mismatch",
+            f"pod {report.namespace}/{report.pod_name} is not labelled "
+            f"{POLICY_LABEL}={report.policy}",
+        )
+    async with state.lock(report.namespace, report.policy):
+        for _ in range(8):
+            policy = await asyncio.to_thread(
+                _get_policy, state.custom_api, report.namespace, report.policy
+            )
+            if policy is None:
+                raise Rejected(
+                    404,
+                    "policy-not-found",
+                    f"CheckpointPolicy {report.namespace}/{report.policy} not found",
+                )
+            status = policy.get("status") or {}
+            jobs, events = fold_report(status.get("jobs") or [], report, now=datetime.now(UTC))
+            patch: dict[str, Any] = {"jobs": jobs}
+            if jobs[0].get("newestCompleteStep"):
+                patch["newestCompleteStep"] = jobs[0]["newestCompleteStep"]
+            rv = policy["metadata"]["resourceVersion"]
+            if await asyncio.to_thread(
+                _patch_status, state.custom_api, report.namespace, report.policy, rv, patch
+            ):
+                break
+        else:
+            raise Rejected(409, "status-conflict", "the policy status kept changing; retry")
+    for event in events:
+        await asyncio.to_thread(post_event, state.core_api, policy, event)
+    return {"accepted": True, "jobId": report.job_id, "events": len(events)}
+
+
+async def healthz(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+def _ssl_context(tls: certs.TlsFiles) -> ssl.SSLContext:
+    context = ssl.create_default_context(purpose=ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(tls.certfile), str(tls.keyfile))
+    return context
+
+
+@kopf.on.startup()
+async def start_receiver(memo: kopf.Memo, **_: Any) -> None:
+    """Start the HTTPS report endpoint in kopf's event loop (stopped by :func:`stop_receiver`)."""
+    state: ReceiverState | None = memo.get("receiver")
+    if state is None or state.port == 0:
+        return
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+
+    async def _report(request: web.Request) -> web.Response:
+        return await handle_report(state, request)
+
+    app.add_routes([web.post(REPORT_PATH, _report), web.get("/healthz", healthz)])
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, state.host, state.port, ssl_context=_ssl_context(state.tls))
+    await site.start()
+    state.runner = runner
+    log.info("report receiver listening on https://%s:%d%s", state.host, state.port, REPORT_PATH)
+
+
+@kopf.on.cleanup()
+async def stop_receiver(memo: kopf.Memo, **_: Any) -> None:
+    state: ReceiverState | None = memo.get("receiver")
+    if state is not None and state.runner is not None:
+        await state.runner.cleanup()
+        state.runner = None
+
+
+@kopf.on.event(
+    "",
+    "v1",
+    "pods",
+    labels={POLICY_LABEL: kopf.PRESENT},
+    annotations={INJECTED_ANNOTATION: kopf.ABSENT},
+)
+async def uninjected_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Report a labelled pod running without the sidecar (C-10, failurePolicy Ignore)."""
+    state: ReceiverState | None = memo.get("receiver")
+    meta = body.get("metadata") or {}
+    uid = meta.get("uid")
+    if state is None or not uid or uid in state.warned_pods or meta.get("deletionTimestamp"):
+        return
+    spec = body.get("spec") or {}
+    if any(c.get("name") == SIDECAR_NAME for c in spec.get("initContainers") or []):
+        return
+    state.warned_pods[uid] = None
+    while len(state.warned_pods) > 10_000:
+        state.warned_pods.popitem(last=False)
+    m.PODS_UNINJECTED.inc()
+    ns, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+    policy_name = str((meta.get("labels") or {}).get(POLICY_LABEL) or "")
+    event = EventSpec(
+        "Warning",
+        REASON_NOT_PROTECTED,
+        f"pod {ns}/{name} is labelled {POLICY_LABEL}={policy_name} but runs without the Strata "
+        "sidecar: it was created while the webhook was unreachable (failurePolicy Ignore) or in "
+        "an excluded namespace; its checkpoints are not protected. Recreate the pod.",
+    )
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": dict(meta)}
+    await asyncio.to_thread(post_event, state.core_api, pod, event)
+    policy = await asyncio.to_thread(_get_policy, state.custom_api, ns, policy_name)
+    if policy is not None:
+        await asyncio.to_thread(post_event, state.core_api, policy, event)
+
+
+# --- command line (strata_operator.main extension hooks) -------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("report receiver and metrics")
+    g.add_argument(
+        "--report-port", type=int, default=8444, help="HTTPS report port (0: off; default 8444)"
+    )
+    g.add_argument("--report-listen", default="0.0.0.0", help="bind address (default 0.0.0.0)")
+    g.add_argument(
+        "--report-url",
+        help="base URL sidecars use, e.g. https://strata.strata-system.svc:8444 (default: "
+        "https://<--webhook-host>:<--report-port>)",
+    )
+    g.add_argument(
+        "--report-audience",
+        default="strata.dev",
+        help="audience of the projected tokens (default %(default)s)",
+    )
+    g.add_argument(
+        "--metrics-port", type=int, default=8095, help="plain-HTTP /metrics port (0: off)"
+    )
+    g.add_argument("--metrics-listen", default="0.0.0.0")
+
+
+def configure(args: argparse.Namespace, memo: kopf.Memo) -> None:
+    """Set up the receiver's state (needs ``memo["tls"]`` from the webhook extension)."""
+    from kubernetes import client, config
+
+    tls: certs.TlsFiles | None = memo.get("tls")
+    if tls is None:
+        raise SystemExit("strata_operator.receiver needs strata_operator.webhook (TLS) first")
+    config.load_config()  # type: ignore[no-untyped-call]
+    memo["receiver"] = ReceiverState(
+        host=args.report_listen,
+        port=args.report_port,
+        audience=args.report_audience,
+        tls=tls,
+        auth_api=client.AuthenticationV1Api(),
+        core_api=client.CoreV1Api(),
+        custom_api=client.CustomObjectsApi(),
+    )
+    if args.metrics_port:
+        m.serve(args.metrics_port, args.metrics_listen)

@@ -1,0 +1,560 @@
+"""Admission webhooks served by the operator (kopf ``on.mutate``): pod injection and workload labels.
+
+Handlers (each its own webhook in the configuration, addressed by its kopf handler id):
+
+* ``inject-pods``: Pods on CREATE whose label ``strata.dev/policy`` exists (objectSelector) get the
+  patch of :func:`strata_operator.mutation.build_pod_patch`;
+* ``label-jobs``, ``label-jobsets``, ``label-pytorchjobs``: Jobs, JobSets and PyTorchJobs on
+  CREATE carrying the annotation ``strata.dev/policy`` (a CEL ``matchCondition``, because an
+  objectSelector sees labels only) get the label on every pod template
+  (:func:`strata_operator.mutation.build_workload_patch`).
+
+A policy that does not exist in the object's namespace is a denial (HTTP 403) whose message names
+the policy and the namespace; a pod or policy that cannot be injected is a denial (422) that says
+why. The handlers never call anything but a GET of the policy (``sideEffects: None``).
+
+The ``MutatingWebhookConfiguration`` (default name ``strata.dev``) is written by this module, not
+by kopf's ``settings.admission.managed``: kopf 1.45's ``build_webhooks`` has no
+namespaceSelector, reinvocationPolicy, matchConditions or timeout setting, and it rewrites the
+whole ``webhooks`` list whenever the cluster's resources change, so post-processing would be
+undone. :class:`ManagedWebhookServer` (a ``kopf.WebhookServer``) writes the configuration with
+the current CA bundle *before* it starts listening, and again whenever kopf reloads changed
+certificate files: after a restart with a new certificate, no admission request can reach the
+new server with the old caBundle (C-11). The configuration stays in place when the operator
+stops, so that ``failurePolicy`` decides what happens meanwhile (C-10): ``Fail`` refuses
+training pods with the apiserver's "failed calling webhook inject-pods.strata.dev" message;
+``Ignore`` lets them start uninjected, and the operator reports them when it is back
+(:mod:`strata_operator.receiver`). kube-system and the operator's own namespace are never sent to
+the webhook (namespaceSelector), so the cluster and the operator itself can always start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import copy
+import functools
+import logging
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonpatch
+import kopf
+
+from strata_operator import api, certs
+from strata_operator import metrics as m
+from strata_operator.mutation import (
+    POLICY_LABEL,
+    InjectionError,
+    InjectionSettings,
+    build_pod_patch,
+    build_workload_patch,
+)
+
+log = logging.getLogger("strata.webhook")
+
+POD_WEBHOOK = "inject-pods"
+WORKLOAD_WEBHOOKS: dict[str, tuple[str, str, str]] = {
+    "label-jobs": ("batch", "v1", "jobs"),
+    "label-jobsets": ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
+    "label-pytorchjobs": ("kubeflow.org", "v1", "pytorchjobs"),
+}
+ANNOTATED = "has(object.metadata.annotations) && 'strata.dev/policy' in object.metadata.annotations"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "strata-operator"}
+DENY_MISSING_POLICY = 403
+DENY_INVALID = 422
+
+FailurePolicy = Literal["Fail", "Ignore"]
+
+
+@dataclass(frozen=True)
+class WebhookOptions:
+    """Where the webhook listens, how the apiserver reaches it, and its admission settings."""
+
+    listen_host: str = "0.0.0.0"
+    port: int = 9443
+    url_host: str = "127.0.0.1"
+    """Host in the ``url`` clientConfig (local control plane); unused with ``service``."""
+    service: str | None = None
+    """``<namespace>/<name>[:port]`` of the operator's Service (in-cluster clientConfig)."""
+    configuration_name: str = "strata.dev"
+    failure_policy: FailurePolicy = "Fail"
+    """Fail: training pods are refused while the webhook is unreachable (they would run
+    unprotected); Ignore: they run uninjected and are reported (C-10)."""
+    timeout_seconds: int = 5
+    """Per-call apiserver timeout (1-30 s); short, so that a hung operator cannot stall pod
+    creation for long."""
+    excluded_namespaces: tuple[str, ...] = ("kube-system",)
+    """Never sent to the webhook, in addition to the operator's own namespace."""
+    operator_namespace: str = "strata-system"
+    manage_configuration: bool = True
+    """False: a Helm chart / cert-manager CA injector owns the MutatingWebhookConfiguration."""
+
+    def namespaces_excluded(self) -> list[str]:
+        return sorted({*self.excluded_namespaces, self.operator_namespace})
+
+
+def build_webhook_configuration(
+    opts: WebhookOptions, *, ca_bundle: bytes, base_url: str | None = None
+) -> dict[str, Any]:
+    """The ``MutatingWebhookConfiguration`` object (pure; admissionregistration.k8s.io/v1).
+
+    ``ca_bundle``: PEM the apiserver trusts for the webhook's certificate. ``base_url``: the
+    ``https://host:port`` of the server (when ``opts.service`` is not set).
+    """
+    encoded = base64.b64encode(ca_bundle).decode("ascii")
+
+    def client_config(handler_id: str) -> dict[str, Any]:
+        if opts.service:
+            ns, _, rest = opts.service.partition("/")
+            name, _, port = rest.partition(":")
+            svc: dict[str, Any] = {"namespace": ns, "name": name, "path": f"/{handler_id}"}
+            if port:
+                svc["port"] = int(port)
+            return {"service": svc, "caBundle": encoded}
+        if not base_url:
+            raise ValueError("either WebhookOptions.service or base_url is required")
+        return {"url": f"{base_url.rstrip('/')}/{handler_id}", "caBundle": encoded}
+
+    namespace_selector = {
+        "matchExpressions": [
+            {
+                "key": "kubernetes.io/metadata.name",
+                "operator": "NotIn",
+                "values": opts.namespaces_excluded(),
+            }
+        ]
+    }
+    common = {
+        "sideEffects": "None",
+        "admissionReviewVersions": ["v1"],
+        "failurePolicy": opts.failure_policy,
+        "matchPolicy": "Equivalent",
+        "timeoutSeconds": opts.timeout_seconds,
+        "reinvocationPolicy": "IfNeeded",
+        "namespaceSelector": namespace_selector,
+    }
+    webhooks = [
+        {
+            "name": f"{POD_WEBHOOK}.{opts.configuration_name}",
+            "clientConfig": client_config(POD_WEBHOOK),
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "apiVersions": ["v1"],
+                    "resources": ["pods"],
+                    "operations": ["CREATE"],
+                    "scope": "Namespaced",
+                }
+            ],
+            "objectSelector": {"matchExpressions": [{"key": POLICY_LABEL, "operator": "Exists"}]},
+            **copy.deepcopy(common),
+        }
+    ]
+    for handler_id, (group, version, plural) in WORKLOAD_WEBHOOKS.items():
+        webhooks.append(
+            {
+                "name": f"{handler_id}.{opts.configuration_name}",
+                "clientConfig": client_config(handler_id),
+                "rules": [
+                    {
+                        "apiGroups": [group],
+                        "apiVersions": [version],
+                        "resources": [plural],
+                        "operations": ["CREATE"],
+                        "scope": "Namespaced",
+                    }
+                ],
+                "matchConditions": [{"name": "strata-policy-annotation", "expression": ANNOTATED}],
+                **copy.deepcopy(common),
+            }
+        )
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": opts.configuration_name, "labels": dict(MANAGED_BY)},
+        "webhooks": webhooks,
+    }
+
+
+def apply_webhook_configuration(admission_api: Any, body: dict[str, Any]) -> None:
+    """Create the configuration, or replace it wholesale (we own every webhook in it)."""
+    from kubernetes.client.exceptions import ApiException
+
+    name = body["metadata"]["name"]
+    for _ in range(5):
+        try:
+            admission_api.create_mutating_webhook_configuration(body, _request_timeout=10)
+            return
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        try:
+            current = admission_api.read_mutating_webhook_configuration(name, _request_timeout=10)
+            replacement = copy.deepcopy(body)
+            replacement["metadata"]["resourceVersion"] = current.metadata.resource_version
+            admission_api.replace_mutating_webhook_configuration(
+                name, replacement, _request_timeout=10
+            )
+            return
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+    raise RuntimeError(f"MutatingWebhookConfiguration {name}: kept conflicting; giving up")
+
+
+ConfigWriter = Callable[[bytes, str | None], Coroutine[Any, Any, None]]
+
+
+class ManagedWebhookServer(kopf.WebhookServer):
+    """A ``kopf.WebhookServer`` that writes the webhook configuration before it listens (C-11).
+
+    ``write_config(ca_bundle_pem, base_url)`` is awaited before the first listen and after every
+    reload of changed certificate files (kopf re-reads them every ``file_check_interval``).
+    """
+
+    def __init__(self, *, write_config: ConfigWriter | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._write_config = write_config
+
+    def base_url(self) -> str:
+        return f"https://{self.host}:{self.port}"
+
+    async def _publish(self) -> None:
+        if self._write_config is not None and self.cafile is not None:
+            await self._write_config(Path(self.cafile).read_bytes(), self.base_url())
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        await self._publish()
+        first = True
+        async for client_config in super().__call__(fn):
+            if not first:
+                await self._publish()
+            first = False
+            yield client_config
+
+
+@dataclass
+class WebhookState:
+    """What the handlers need at run time (kept in kopf's memo as ``memo["webhook"]``)."""
+
+    options: WebhookOptions
+    injection: InjectionSettings
+    tls: certs.TlsFiles
+    custom_api: Any = None
+    admission_api: Any = None
+
+    async def get_policy(self, namespace: str, name: str) -> dict[str, Any]:
+        """The CheckpointPolicy object, or ``kopf.AdmissionError`` (403) naming it."""
+        from kubernetes.client.exceptions import ApiException
+
+        if not name:
+            raise kopf.AdmissionError(
+                f"the {POLICY_LABEL} label or annotation is empty; set it to the name of a "
+                f"CheckpointPolicy in namespace {namespace!r}",
+                code=DENY_INVALID,
+            )
+        try:
+            obj: dict[str, Any] = await asyncio.to_thread(
+                self.custom_api.get_namespaced_custom_object,
+                api.GROUP,
+                api.VERSION,
+                namespace,
+                api.PLURAL,
+                name,
+                _request_timeout=max(1, self.options.timeout_seconds - 2),
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                raise kopf.AdmissionError(
+                    f"CheckpointPolicy {name!r} not found in namespace {namespace!r} (named by "
+                    f"{POLICY_LABEL}); create the policy first, or fix or remove the "
+                    f"{POLICY_LABEL} label/annotation",
+                    code=DENY_MISSING_POLICY,
+                ) from None
+            raise kopf.AdmissionError(
+                f"cannot read CheckpointPolicy {namespace}/{name}: API error {exc.status} "
+                f"{exc.reason}",
+                code=503,
+            ) from None
+        return obj
+
+
+def _not_ready_warning(policy: Mapping[str, Any]) -> str | None:
+    for cond in (policy.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready" and cond.get("status") == "False":
+            meta = policy.get("metadata") or {}
+            return (
+                f"CheckpointPolicy {meta.get('namespace')}/{meta.get('name')} is not Ready "
+                f"({cond.get('reason')}): {cond.get('message')}"
+            )
+    return None
+
+
+def _apply_ops(ops: list[dict[str, Any]], raw_body: dict[str, Any]) -> None:
+    jsonpatch.apply_patch(raw_body, ops, in_place=True)
+
+
+async def _admit(
+    kind: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    warnings: list[str],
+    memo: kopf.Memo,
+    build: Callable[[dict[str, Any], dict[str, Any], WebhookState, str], list[dict[str, Any]]],
+    policy_of: Callable[[dict[str, Any]], str | None],
+) -> None:
+    state: WebhookState = memo["webhook"]
+    start = time.perf_counter()
+    outcome = "error"
+    try:
+        raw = copy.deepcopy(dict(body))
+        namespace = (raw.get("metadata") or {}).get("namespace") or "default"
+        policy_name = policy_of(raw)
+        if policy_name is None:
+            outcome = "unchanged"
+            return
+        policy = await state.get_policy(namespace, policy_name)
+        try:
+            ops = build(raw, policy, state, namespace)
+        except InjectionError as exc:
+            raise kopf.AdmissionError(str(exc), code=DENY_INVALID) from None
+        warning = _not_ready_warning(policy)
+        if warning:
+            warnings.append(warning)
+        if ops:
+            patch.fns.append(functools.partial(_apply_ops, ops))
+        outcome = ("injected" if kind == "Pod" else "labelled") if ops else "unchanged"
+    except kopf.AdmissionError as exc:
+        outcome = "denied" if (exc.code or 500) < 500 else "error"
+        raise
+    except Exception as exc:
+        log.exception("admission of a %s failed", kind)
+        raise kopf.AdmissionError(f"Strata webhook error on {kind}: {exc!r}", code=500) from None
+    finally:
+        elapsed = time.perf_counter() - start
+        m.ADMISSION_REQUESTS.labels(kind=kind, outcome=outcome).inc()
+        m.ADMISSION_DURATION.labels(kind=kind).observe(elapsed)
+
+
+def _pod_policy(raw: dict[str, Any]) -> str | None:
+    labels = (raw.get("metadata") or {}).get("labels") or {}
+    value = labels.get(POLICY_LABEL)
+    return None if value is None else str(value)
+
+
+def _workload_policy(raw: dict[str, Any]) -> str | None:
+    annotations = (raw.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(POLICY_LABEL)
+    return None if value is None else str(value)
+
+
+def _build_pod(
+    raw: dict[str, Any], policy: dict[str, Any], state: WebhookState, namespace: str
+) -> list[dict[str, Any]]:
+    return build_pod_patch(raw, policy, state.injection, namespace=namespace)
+
+
+def _build_workload(
+    raw: dict[str, Any], policy: dict[str, Any], state: WebhookState, namespace: str
+) -> list[dict[str, Any]]:
+    return build_workload_patch(raw)
+
+
+@kopf.on.mutate(
+    "", "v1", "pods", id=POD_WEBHOOK, operations=["CREATE"], labels={POLICY_LABEL: kopf.PRESENT}
+)
+async def inject_pod(
+    body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **_: Any
+) -> None:
+    """Inject the Strata sidecar, volumes, env and mounts into a labelled pod."""
+    await _admit("Pod", body, patch, warnings, memo, _build_pod, _pod_policy)
+
+
+def _register_workload(handler_id: str, group: str, version: str, plural: str) -> None:
+    kind = {"jobs": "Job", "jobsets": "JobSet", "pytorchjobs": "PyTorchJob"}[plural]
+
+    async def label_workload(
+        body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **_: Any
+    ) -> None:
+        await _admit(kind, body, patch, warnings, memo, _build_workload, _workload_policy)
+
+    label_workload.__doc__ = f"Label the pod templates of a {kind} annotated with a policy."
+    label_workload.__name__ = f"label_{plural}"
+    kopf.on.mutate(group, version, plural, id=handler_id, operations=["CREATE"])(label_workload)
+
+
+for _hid, (_group, _version, _plural) in WORKLOAD_WEBHOOKS.items():
+    _register_workload(_hid, _group, _version, _plural)
+
+
+@kopf.on.startup()
+async def start_webhook_server(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Point kopf at our HTTPS server; the configuration is ours, not kopf's (module docstring)."""
+    state: WebhookState | None = memo.get("webhook")
+    if state is None:
+        raise kopf.PermanentError(
+            "strata_operator.webhook was imported but not configured; run it through "
+            "strata_operator.main.run()"
+        )
+    opts = state.options
+
+    async def write_config(ca_bundle: bytes, base_url: str | None) -> None:
+        body = build_webhook_configuration(opts, ca_bundle=ca_bundle, base_url=base_url)
+        await asyncio.to_thread(apply_webhook_configuration, state.admission_api, body)
+        log.info(
+            "MutatingWebhookConfiguration %s written (failurePolicy %s, caBundle sha %s)",
+            opts.configuration_name,
+            opts.failure_policy,
+            _short_digest(ca_bundle),
+        )
+
+    settings.admission.server = ManagedWebhookServer(
+        addr=opts.listen_host,
+        port=opts.port,
+        host=opts.url_host,
+        certfile=str(state.tls.certfile),
+        pkeyfile=str(state.tls.keyfile),
+        cafile=str(state.tls.cafile),
+        write_config=write_config if opts.manage_configuration else None,
+    )
+    settings.admission.managed = None
+
+
+def _short_digest(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+# --- command line (strata_operator.main extension hooks) -------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("admission webhook")
+    g.add_argument("--webhook-port", type=int, default=9443, help="HTTPS port (default 9443)")
+    g.add_argument("--webhook-listen", default="0.0.0.0", help="bind address (default 0.0.0.0)")
+    g.add_argument(
+        "--webhook-host",
+        default="127.0.0.1",
+        help="host the apiserver uses in the webhook URL (default 127.0.0.1; local control "
+        "plane); ignored with --webhook-service",
+    )
+    g.add_argument(
+        "--webhook-service",
+        metavar="NS/NAME[:PORT]",
+        help="reach the webhook through this Service (in-cluster) instead of a URL",
+    )
+    g.add_argument("--webhook-config-name", default="strata.dev")
+    g.add_argument(
+        "--failure-policy",
+        choices=("Fail", "Ignore"),
+        default=os.environ.get("STRATA_FAILURE_POLICY", "Fail"),
+        help="when the webhook is unreachable: Fail refuses training pods, Ignore lets them "
+        "run unprotected (reported) (default %(default)s)",
+    )
+    g.add_argument("--webhook-timeout", type=int, default=5, metavar="SECONDS")
+    g.add_argument(
+        "--operator-namespace",
+        default=os.environ.get("POD_NAMESPACE", "strata-system"),
+        help="the operator's namespace, never sent to the webhook (default $POD_NAMESPACE)",
+    )
+    g.add_argument(
+        "--exclude-namespace",
+        action="append",
+        default=[],
+        help="another namespace never sent to the webhook (repeatable; kube-system always is)",
+    )
+    g.add_argument(
+        "--no-manage-webhook",
+        action="store_true",
+        help="do not write the MutatingWebhookConfiguration (a chart owns it)",
+    )
+    g.add_argument(
+        "--tls-dir",
+        type=Path,
+        help="directory of a mounted kubernetes.io/tls secret (tls.crt, tls.key, ca.crt); "
+        "default: generate a CA and certificate at start",
+    )
+    g.add_argument(
+        "--tls-workdir",
+        type=Path,
+        help="where generated certificates are written (default: a new temporary directory)",
+    )
+    g.add_argument(
+        "--tls-san",
+        action="append",
+        default=[],
+        help="extra DNS name or IP for the generated certificate (repeatable)",
+    )
+    g.add_argument("--sidecar-image", default=os.environ.get("STRATA_SIDECAR_IMAGE"))
+    g.add_argument(
+        "--sidecar-memory-overhead",
+        default="256Mi",
+        help="sidecar memory on top of the RAM tier (default %(default)s)",
+    )
+
+
+def _sans(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    import ipaddress
+
+    names = {"localhost", args.webhook_host, *args.tls_san}
+    if args.webhook_service:
+        ns, _, rest = args.webhook_service.partition("/")
+        svc = rest.partition(":")[0]
+        names |= {f"{svc}.{ns}.svc", f"{svc}.{ns}.svc.cluster.local"}
+    dns, ips = [], ["127.0.0.1"]
+    for n in names:
+        try:
+            ipaddress.ip_address(n)
+            ips.append(n)
+        except ValueError:
+            dns.append(n)
+    return tuple(sorted(set(dns))), tuple(sorted(set(ips)))
+
+
+def configure(args: argparse.Namespace, memo: kopf.Memo) -> None:
+    """Build the webhook state (TLS, injection settings, API clients) into ``memo``."""
+    from kubernetes import client, config
+
+    dns, ips = _sans(args)
+    workdir = args.tls_workdir or Path(tempfile.mkdtemp(prefix="strata-operator-tls-"))
+    tls = certs.load_or_generate(workdir, tls_dir=args.tls_dir, dns_names=dns, ip_addresses=ips)
+    opts = WebhookOptions(
+        listen_host=args.webhook_listen,
+        port=args.webhook_port,
+        url_host=args.webhook_host,
+        service=args.webhook_service,
+        configuration_name=args.webhook_config_name,
+        failure_policy=args.failure_policy,
+        timeout_seconds=args.webhook_timeout,
+        excluded_namespaces=("kube-system", *args.exclude_namespace),
+        operator_namespace=args.operator_namespace,
+        manage_configuration=not args.no_manage_webhook,
+    )
+    report_url = getattr(args, "report_url", None)
+    report_port = getattr(args, "report_port", 0)
+    if report_url is None and report_port:
+        report_url = f"https://{args.webhook_host}:{report_port}"
+    injection = InjectionSettings(
+        **({"sidecar_image": args.sidecar_image} if args.sidecar_image else {}),
+        report_endpoint=report_url,
+        report_audience=getattr(args, "report_audience", None) or "strata.dev",
+        report_ca_pem=tls.ca_pem if report_url else None,
+        memory_overhead=args.sidecar_memory_overhead,
+    )
+    config.load_config()  # type: ignore[no-untyped-call]
+    memo["webhook"] = WebhookState(
+        options=opts,
+        injection=injection,
+        tls=tls,
+        custom_api=client.CustomObjectsApi(),
+        admission_api=client.AdmissionregistrationV1Api(),
+    )
+    memo["tls"] = tls
