@@ -1,0 +1,571 @@
+"""The training client: ``strata.Checkpointer`` (torch; never imports kopf).
+
+::
+
+    ckpt = strata.Checkpointer()                 # SidecarConfig.from_env() + RANK/WORLD_SIZE
+    state = {"model": model, "optim": optimizer, "step": 0, "rng": torch.get_rng_state()}
+    result = ckpt.restore(state)                 # newest restorable step, loaded in place
+    for step in range(result.next_step, steps):
+        ...
+        if ckpt.should_save(step):
+            ckpt.save(step, state)               # blocks only for the copy into a RAM slot
+
+``save(step, state)``: encodes the state (:mod:`strata.codec`), takes a free slot of the RAM
+ring (:mod:`strata.tiers.ram`), copies every tensor storage into it (several threads), commits
+the step in the RAM tier with a manifest *without* checksums, and returns. The stall is the
+copy. A background thread then checksums the slot and atomically rewrites the manifest with its
+CRC32Cs; promotion (the sidecar) only takes checksummed shards. :meth:`Checkpointer.wait`
+waits for that background work. C-01: once ``save()`` returned, the step's bytes are in the
+slot; changing the state afterwards does not change what is restored.
+
+Failure policy (explicit): a save that fails for a reason of the *environment or the data* --
+ENOSPC on the RAM tier, every slot busy, a value the codec cannot store (TypeError naming its
+path), an I/O error -- is logged at ERROR, recorded (``last_error``, ``failed_saves``) and
+``save()`` returns False; training continues and every previously committed step is intact.
+Programming errors raise at once: a negative or non-int step (ValueError). Pass
+``raise_on_error=True`` to raise every save failure instead.
+
+``restore(state)``: inventory of every tier -> all-gather across ranks when torch.distributed is
+initialized -> the newest step restorable on every rank (:func:`strata.restore.plan_restore`)
+-> stage this rank's shard into RAM (RAM hit, else PVC, else GCS; verified; a corrupt copy is
+quarantined) -> load it in place (:func:`strata.codec.load_into`). A step some rank fails to
+stage is excluded and the ranks re-plan together. No restorable step: a fresh start (step None)
+when ``restore.allow_fresh_start``, else :class:`RestoreError` naming the tiers searched.
+
+Seams for the sidecar (socket-backed implementations): ``slot_provider=`` (a
+:class:`strata.tiers.ram.SlotProvider`) and ``stager=`` (a :class:`Stager`). Without them the
+client reaches every tier directly (RAM and PVC as directories, GCS via
+:class:`strata.tiers.gcs.GcsTier`, imported only when ``config.gcs`` is set).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+
+from strata import codec, crc
+from strata.config import ConfigError, SidecarConfig
+from strata.manifest import DEFAULT_CHUNK_SIZE
+from strata.restore import (
+    RankInventory,
+    StageError,
+    StageResult,
+    collect_inventory,
+    plan_restore,
+    skipped_partial_steps,
+    stage_shard,
+)
+from strata.tiers.base import ShardUnavailable, Tier
+from strata.tiers.posix import PosixTier
+from strata.tiers.ram import (
+    LocalSlotProvider,
+    RamTier,
+    SlotLease,
+    SlotMaps,
+    SlotProvider,
+    SlotWriteLock,
+)
+
+log = logging.getLogger("strata.client")
+
+
+class RestoreError(RuntimeError):
+    """No restorable step and fresh starts are not allowed; the message lists what was searched."""
+
+
+class Stager(Protocol):
+    """Inventory and staging for one rank (local tiers, or the sidecar over its socket)."""
+
+    def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory:
+        """What this rank can see in every tier (:func:`strata.restore.collect_inventory`)."""
+
+    def stage(
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        sources: Sequence[str] | None = None,
+    ) -> StageResult:
+        """Put the shard into the RAM tier (committed there) and return provenance; the result's
+        ``path`` is the RAM data file. ``sources``: the tiers to try, nearest first (the plan's
+        :attr:`strata.restore.RestorePlan.sources` for this rank; None: every tier).
+        Raises :class:`strata.restore.StageError`."""
+
+
+class LocalStager:
+    """:class:`Stager` over tier objects in this process (no sidecar).
+
+    A shard served by a tier other than RAM is copied into a RAM slot (from ``slot_provider``)
+    and committed in the RAM tier, so the next restore is a RAM hit.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier] | Callable[[], Sequence[Tier]],
+        ram: RamTier,
+        slot_provider: SlotProvider,
+        verify: bool = True,
+    ) -> None:
+        self._tiers = tiers
+        self.ram = ram
+        self.slot_provider = slot_provider
+        self.verify = verify
+
+    def tiers(self) -> Sequence[Tier]:
+        return self._tiers() if callable(self._tiers) else self._tiers
+
+    def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory:
+        return collect_inventory(self.tiers(), job_id, rank, world_size)
+
+    def stage(
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        sources: Sequence[str] | None = None,
+    ) -> StageResult:
+        locks: list[SlotWriteLock] = []
+
+        def slot_for(nbytes: int) -> Path:
+            lock = SlotWriteLock.acquire(self.slot_provider, job_id, rank, nbytes)
+            locks.append(lock)
+            return lock.path
+
+        try:
+            res = stage_shard(
+                self.tiers(),
+                job_id,
+                step,
+                rank,
+                slot_for,
+                world_size=world_size,
+                verify=self.verify,
+            )
+            if res.tier != self.ram.name:
+                self.ram.commit_slot(job_id, step, rank, res.path, res.manifest)
+                res.path = self.ram.data_path(job_id, step, rank)
+            return res
+        finally:
+            for lock in locks:
+                lock.release()
+
+
+@dataclass
+class RestoreResult:
+    """What :meth:`Checkpointer.restore` did."""
+
+    step: int | None
+    """The restored step; None: fresh start (nothing restorable and fresh starts allowed)."""
+    tiers: dict[int, str]
+    """Per rank, the tier that served its shard (all ranks with torch.distributed)."""
+    nbytes: int
+    """Bytes of this rank's shard."""
+    seconds: float
+    """Wall time of the whole restore on this rank (inventory, staging, load)."""
+    skipped: list[str] = field(default_factory=list)
+    """Notes: partial steps (C-03), quarantined copies (C-04), other world sizes, tiers down."""
+    state: Any = None
+    """The loaded state tree (live objects where they were updated in place)."""
+
+    @property
+    def fresh_start(self) -> bool:
+        return self.step is None
+
+    @property
+    def next_step(self) -> int:
+        """The step to train next: restored step + 1, or 0 on a fresh start."""
+        return 0 if self.step is None else self.step + 1
+
+    @property
+    def tier(self) -> str | None:
+        """This rank's tier (the first entry when called on a single process)."""
+        return next(iter(self.tiers.values()), None)
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else None
+
+
+class Checkpointer:
+    """Multi-tier checkpointing for one training process (one rank). See the module docstring.
+
+    Configuration: ``config`` or :meth:`SidecarConfig.from_env`; keyword arguments override
+    (``job_id``, ``ram_dir``, ``pvc_dir``, ``keep``, ``every_steps``, ``allow_fresh_start``).
+    Identity: ``rank``/``world_size`` arguments, else torch.distributed when initialized, else
+    env ``RANK``/``WORLD_SIZE``, else 0/1. ``copy_threads``: threads copying into the slot.
+    ``process_group``: for the all-gather of inventories (default group).
+    Raises :class:`strata.config.ConfigError` for a bad configuration.
+    """
+
+    def __init__(
+        self,
+        config: SidecarConfig | None = None,
+        *,
+        job_id: str | None = None,
+        ram_dir: str | os.PathLike[str] | None = None,
+        pvc_dir: str | os.PathLike[str] | None = None,
+        keep: int | None = None,
+        every_steps: int | None = None,
+        allow_fresh_start: bool | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        slot_provider: SlotProvider | None = None,
+        stager: Stager | None = None,
+        copy_threads: int = 4,
+        raise_on_error: bool = False,
+        process_group: Any = None,
+    ) -> None:
+        self.config = _build_config(
+            config, job_id, ram_dir, pvc_dir, keep, every_steps, allow_fresh_start
+        )
+        self.job_id = self.config.job_id
+        self.rank, self.world_size = _identity(rank, world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
+        self.writer_id = (
+            self.config.writer_id or self.config.pod_name or socket.gethostname()
+        ) + f"/rank-{self.rank}"
+        self.ram = RamTier(self.config.ram.path, keep=self.config.ram.keep)
+        self.slot_provider: SlotProvider = slot_provider or LocalSlotProvider(
+            self.ram, keep=self.config.ram.keep
+        )
+        self.stager: Stager = stager or LocalStager(
+            self._restore_tiers, self.ram, self.slot_provider, self.config.restore.verify
+        )
+        self.raise_on_error = raise_on_error
+        self.process_group = process_group
+        self.chunk_size = DEFAULT_CHUNK_SIZE
+        self._maps = SlotMaps()
+        self._copy_pool = ThreadPoolExecutor(max(1, copy_threads), thread_name_prefix="strata-copy")
+        self._bg = ThreadPoolExecutor(1, thread_name_prefix="strata-checksum")
+        self._pending: list[Future[None]] = []
+        self._pending_lock = threading.Lock()
+        self._tiers: list[Tier] | None = None
+        self._last_save_time: float | None = None
+        self.last_error: str | None = None
+        self.failed_saves = 0
+        self.saves = 0
+        self.last_stall_seconds: float | None = None
+        self.stall_seconds: list[float] = []
+        self.last_saved_step: int | None = None
+
+    # -- tiers ----------------------------------------------------------------------------------
+
+    def _restore_tiers(self) -> list[Tier]:
+        if self._tiers is None:
+            tiers: dict[str, Tier] = {"ram": self.ram}
+            if self.config.pvc is not None:
+                tiers["pvc"] = PosixTier(self.config.pvc.path, "pvc")
+            if self.config.gcs is not None:
+                from strata.tiers.gcs import GcsTier  # lazily: google-cloud-storage is optional
+
+                tiers["gcs"] = GcsTier(self.config.gcs, writer_id=self.writer_id)
+            self._tiers = [tiers[t] for t in self.config.tiers_in_restore_order()]
+        return self._tiers
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due for a RAM checkpoint (``ram.every``: steps and/or seconds)."""
+        every = self.config.ram.every
+        if every.steps is None and every.seconds is None:
+            return True
+        if every.steps is not None and step % every.steps == 0:
+            return True
+        return every.seconds is not None and (
+            self._last_save_time is None or time.monotonic() - self._last_save_time >= every.seconds
+        )
+
+    def save(self, step: int, state: Any) -> bool:
+        """Snapshot ``state`` as ``step`` into the RAM tier; True when committed there.
+
+        Blocks only for the copy into a RAM slot (the stall, recorded in ``stall_seconds``).
+        Returns False after logging and recording a failure (see the module docstring's failure
+        policy). Raises ValueError for a step that is not a non-negative int.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        try:
+            self._save(step, state)
+        except Exception as exc:
+            self.failed_saves += 1
+            self.last_error = f"save of step {step} failed: {exc}"
+            log.error(
+                "strata: save of step %d failed (training continues; the previous committed "
+                "step is intact): %s",
+                step,
+                exc,
+            )
+            if self.raise_on_error:
+                raise
+            return False
+        stall = time.perf_counter() - t0
+        self.last_stall_seconds = stall
+        self.stall_seconds.append(stall)
+        self.saves += 1
+        self.last_saved_step = step
+        self._last_save_time = time.monotonic()
+        return True
+
+    def _save(self, step: int, state: Any) -> None:
+        enc = codec.encode(state)
+        with SlotWriteLock.acquire(
+            self.slot_provider, self.job_id, self.rank, enc.data_nbytes
+        ) as slot:
+            mm = self._maps.get(slot)
+            dst = torch.frombuffer(mm, dtype=torch.uint8)
+            try:
+                codec.write_data(enc, dst, pool=self._copy_pool)
+            finally:
+                del dst
+            manifest = enc.manifest(
+                job_id=self.job_id,
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                writer_id=self.writer_id,
+                chunk_size=self.chunk_size,
+            )
+            self.ram.commit_slot(self.job_id, step, self.rank, slot, manifest)
+        fut = self._bg.submit(self._checksum, step, manifest.created.isoformat())
+        with self._pending_lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+
+    def _checksum(self, step: int, created: str) -> None:
+        try:
+            with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
+                m = lease.manifest
+                if m is None or m.verified or m.created.isoformat() != created:
+                    return
+                crcs, whole = crc.file_chunk_crcs(lease.path, m.data_nbytes, m.chunk_size)
+                self.ram.update_checksums(self.job_id, step, self.rank, crcs, whole)
+        except ShardUnavailable as exc:
+            log.info("strata: step %d left the RAM tier before its checksum pass: %s", step, exc)
+        except Exception as exc:
+            self.last_error = f"checksum of step {step} failed: {exc}"
+            log.error("strata: checksum pass of step %d failed: %s", step, exc)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every background checksum pass submitted so far has finished."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        for fut in pending:
+            fut.result(timeout=timeout)
+
+    flush = wait
+
+    # -- restore --------------------------------------------------------------------------------
+
+    def _dist(self) -> Any:
+        if (
+            self.world_size > 1
+            and torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+        ):
+            return torch.distributed
+        return None
+
+    def _gather(self, obj: Any) -> list[Any]:
+        dist = self._dist()
+        if dist is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.process_group)
+        return out
+
+    def restore(self, state: Any) -> RestoreResult:
+        """Load the newest restorable step into ``state`` in place (see the module docstring).
+
+        Returns a :class:`RestoreResult` (``step`` None: fresh start). Raises
+        :class:`RestoreError` when nothing is restorable and fresh starts are not allowed, and
+        :class:`strata.codec.CodecError` when the checkpoint does not fit the live state.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        excluded: list[int] = []
+        notes: list[str] = []
+        for _ in range(64):
+            inv = self.stager.inventory(self.job_id, self.rank, self.world_size)
+            invs = [RankInventory.from_dict(d) for d in self._gather(inv.to_dict())]
+            for note in skipped_partial_steps(invs) + [n for i in invs for n in i.notes]:
+                if note not in notes:
+                    notes.append(note)
+                    log.warning("strata restore: %s", note)
+            plan = plan_restore(
+                invs, self.world_size, self.config.tiers_in_restore_order(), excluded
+            )
+            if plan is None:
+                break
+            try:
+                res: StageResult | None = self.stager.stage(
+                    self.job_id, plan.step, self.rank, self.world_size
+                )
+                err = None
+            except StageError as exc:
+                res, err = None, str(exc)
+                notes.extend(exc.skipped)
+            outcomes = self._gather(None if res is None else res.tier)
+            if res is None or any(o is None for o in outcomes):
+                log.warning(
+                    "strata restore: step %d could not be staged on every rank (%s); re-planning "
+                    "without it",
+                    plan.step,
+                    err or "another rank failed",
+                )
+                excluded.append(plan.step)
+                continue
+            for note in res.skipped:
+                if note not in notes:
+                    notes.append(note)
+            tree = self._load(state, plan.step)
+            result = RestoreResult(
+                step=plan.step,
+                tiers={r: t for r, t in enumerate(outcomes)}
+                if len(outcomes) > 1
+                else {self.rank: res.tier},
+                nbytes=res.nbytes,
+                seconds=time.perf_counter() - t0,
+                skipped=notes,
+                state=tree,
+            )
+            log.warning(
+                "strata: restored step %d of job %s rank %d from the %s tier (%d bytes, %.3f s)",
+                plan.step,
+                self.job_id,
+                self.rank,
+                res.tier,
+                res.nbytes,
+                result.seconds,
+            )
+            return result
+        searched = ", ".join(
+            f"{t}={self._tier_location(t)}" for t in self.config.tiers_in_restore_order()
+        )
+        if self.config.restore.allow_fresh_start:
+            log.warning(
+                "strata: NO restorable checkpoint for job %s (searched %s); starting from scratch "
+                "because restore.allow_fresh_start is set",
+                self.job_id,
+                searched,
+            )
+            return RestoreResult(None, {}, 0, time.perf_counter() - t0, notes, state)
+        raise RestoreError(
+            f"no restorable checkpoint for job {self.job_id!r} with world size {self.world_size} "
+            f"(searched {searched}; excluded after failed staging: {excluded or 'none'}; notes: "
+            f"{'; '.join(notes) or 'none'}). Set restore.allowFreshStart in the CheckpointPolicy "
+            "(or allow_fresh_start=True) to start from scratch"
+        )
+
+    def _tier_location(self, tier: str) -> str:
+        if tier == "ram":
+            return self.config.ram.path
+        if tier == "pvc" and self.config.pvc is not None:
+            return self.config.pvc.path
+        if tier == "gcs" and self.config.gcs is not None:
+            return f"gs://{self.config.gcs.bucket}/{self.config.gcs.prefix}"
+        return "?"
+
+    def _load(self, state: Any, step: int) -> Any:
+        with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
+            m = lease.manifest
+            assert m is not None
+            if m.data_nbytes == 0:
+                return codec.load_into(state, m, bytearray(), where=str(lease.path))
+            with open(lease.path, "rb") as f:
+                mm = mmap.mmap(
+                    f.fileno(),
+                    m.data_nbytes,
+                    flags=mmap.MAP_PRIVATE,
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                )
+            try:
+                return codec.load_into(state, m, mm, where=str(lease.path))
+            finally:
+                try:
+                    mm.close()
+                except BufferError:
+                    log.debug("restore buffer still referenced; left to the garbage collector")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for background checksums, stop the threads, unmap the slots."""
+        try:
+            self.wait()
+        finally:
+            self._bg.shutdown(wait=True)
+            self._copy_pool.shutdown(wait=True)
+            self._maps.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _build_config(
+    config: SidecarConfig | None,
+    job_id: str | None,
+    ram_dir: str | os.PathLike[str] | None,
+    pvc_dir: str | os.PathLike[str] | None,
+    keep: int | None,
+    every_steps: int | None,
+    allow_fresh_start: bool | None,
+) -> SidecarConfig:
+    if config is None:
+        try:
+            raw: dict[str, Any] = SidecarConfig.from_env().model_dump(
+                mode="json", exclude_defaults=True
+            )
+        except ConfigError:
+            if job_id is None:
+                raise
+            raw = {}
+    else:
+        raw = config.model_dump(mode="json", exclude_defaults=True)
+    if job_id is not None:
+        raw["job_id"] = job_id
+    ram = dict(raw.get("ram", {}))
+    if ram_dir is not None:
+        ram["path"] = str(ram_dir)
+    if keep is not None:
+        ram["keep"] = keep
+    if every_steps is not None:
+        ram["every"] = {"steps": every_steps}
+    raw["ram"] = ram
+    if pvc_dir is not None:
+        raw["pvc"] = {**raw.get("pvc", {}), "path": str(pvc_dir)}
+    if allow_fresh_start is not None:
+        raw["restore"] = {**raw.get("restore", {}), "allow_fresh_start": allow_fresh_start}
+    return SidecarConfig.parse(raw)
+
+
+def _identity(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        r, w = dist.get_rank(), dist.get_world_size()
+    else:
+        r, w = _env_int("RANK") or 0, _env_int("WORLD_SIZE") or 1
+    return (r if rank is None else rank), (w if world_size is None else world_size)

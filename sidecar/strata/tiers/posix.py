@@ -1,0 +1,512 @@
+"""A tier on any POSIX directory: the PVC (Filestore, Lustre, NFS) and, as a base, the RAM tier.
+
+Layout (:mod:`strata.layout`): ``<root>/<job>/steps/<step:012d>/rank-<r:05d>.{data,manifest}``.
+
+Commit protocol (DESIGN.md "Commit protocol"), in :meth:`PosixTier.put_shard`:
+
+1. check the source against the manifest's CRC32Cs (a corrupt RAM copy is never promoted);
+2. write the data object from ``src_path`` in the kernel (``os.copy_file_range``, else
+   ``os.sendfile``, else read/write), ``fsync`` it;
+3. write the manifest to a temporary name, ``fsync`` it, ``rename`` it to ``rank-R.manifest``
+   (the commit point), ``fsync`` the step directory.
+
+An ``fsync`` error abandons the attempt: the files this call wrote are removed and
+:class:`TierError` is raised; the fsync is never retried ("fsyncgate": after a failed fsync the
+page cache may already have dropped the dirty pages, so a second fsync can succeed on lost data).
+The caller rewrites from the source tier. ENOSPC / EDQUOT raise :class:`TierFull` naming the path,
+after removing only the partial files this call wrote. Committed steps are never touched by a
+failed write.
+
+Readers: :meth:`list_steps` (manifest present = committed; data without manifest = partial),
+:meth:`get_manifest`, :meth:`fetch_shard` (chunked copy that checks every chunk's CRC32C as it
+goes), :meth:`quarantine` (renames ``rank-R.manifest`` and ``rank-R.data`` to
+``<name>.quarantined-<ts>`` plus a ``.reason`` note: never served again, kept for inspection).
+Retention: :meth:`delete_step` removes manifests first (un-commit), then data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+
+from strata import crc, layout
+from strata.config import TierName
+from strata.manifest import FORMAT_VERSION, Manifest, ManifestError
+from strata.tiers.base import (
+    ShardCorrupt,
+    ShardUnavailable,
+    StepListing,
+    Tier,
+    TierError,
+    TierFull,
+)
+
+log = logging.getLogger(__name__)
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_COPY_STEP = 64 * 1024 * 1024
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a create/rename/unlink in it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def copy_range(src_fd: int, dst_fd: int, nbytes: int, dst_offset: int = 0) -> None:
+    """Copy ``nbytes`` from offset 0 of ``src_fd`` to ``dst_offset`` of ``dst_fd`` in the kernel.
+
+    ``os.copy_file_range`` (server-side copy on NFS 4.2, reflink where supported), falling back
+    to ``os.sendfile`` and then to read/write when the pair of filesystems refuses it.
+    Raises OSError (ENOSPC ...) and ``EOFError`` when the source ends early.
+    """
+    done = 0
+    mode = "cfr"
+    while done < nbytes:
+        want = min(_COPY_STEP, nbytes - done)
+        if mode == "cfr":
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, want, done, dst_offset + done)
+            except OSError as exc:
+                if exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    mode = "rw"
+                    continue
+                raise
+        else:
+            data = os.pread(src_fd, want, done)
+            n = os.pwrite(dst_fd, data, dst_offset + done) if data else 0
+        if n == 0:
+            raise EOFError(f"source ended after {done} of {nbytes} bytes")
+        done += n
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove partial file %s: %s", path, exc)
+
+
+class PosixTier(Tier):
+    """Checkpoints in a POSIX directory ``root`` (see the module docstring for the protocol).
+
+    ``name``: the tier name reported in provenance (``"pvc"``; the RAM tier subclasses this).
+    ``fsync``: False only for media where fsync is meaningless (tmpfs). ``verify_threads``:
+    threads checksumming a source before promotion.
+    """
+
+    name: TierName = "pvc"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        name: TierName = "pvc",
+        *,
+        fsync: bool = True,
+        verify_threads: int = 1,
+    ) -> None:
+        self.root = Path(root)
+        self.name = name
+        self.fsync = fsync
+        self.verify_threads = verify_threads
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.root)!r}, name={self.name!r})"
+
+    # -- paths ----------------------------------------------------------------------------------
+
+    def step_dir(self, job_id: str, step: int) -> Path:
+        return self.root / layout.step_key(job_id, step)
+
+    def data_path(self, job_id: str, step: int, rank: int) -> Path:
+        return self.root / layout.data_key(job_id, step, rank)
+
+    def manifest_path(self, job_id: str, step: int, rank: int) -> Path:
+        return self.root / layout.manifest_key(job_id, step, rank)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def list_steps(self, job_id: str) -> dict[int, StepListing]:
+        """Steps of ``job_id`` with any data or manifest; world size from a readable manifest."""
+        steps_dir = self.root / layout.steps_prefix(job_id)
+        out: dict[int, StepListing] = {}
+        try:
+            entries = list(os.scandir(steps_dir))
+        except FileNotFoundError:
+            return out
+        except OSError as exc:
+            raise TierError(f"cannot list {steps_dir} ({exc.strerror}); check the mount") from exc
+        for entry in entries:
+            step = layout.parse_step(entry.name)
+            if step is None or not entry.is_dir():
+                continue
+            listing = self._list_step(job_id, step, Path(entry.path))
+            if listing is not None:
+                out[step] = listing
+        return out
+
+    def _list_step(self, job_id: str, step: int, d: Path) -> StepListing | None:
+        manifests: set[int] = set()
+        datas: set[int] = set()
+        mtime = 0.0
+        try:
+            files = list(os.scandir(d))
+        except FileNotFoundError:  # deleted while listing
+            return None
+        for f in files:
+            parsed = layout.parse_shard(f.name)
+            try:
+                mtime = max(mtime, f.stat().st_mtime)
+            except FileNotFoundError:
+                continue
+            if parsed is None:
+                continue
+            (manifests if parsed[1] == "manifest" else datas).add(parsed[0])
+        world_size = None
+        for r in sorted(manifests):
+            try:
+                world_size = self._read_manifest(job_id, step, r).world_size
+                break
+            except ShardUnavailable:
+                continue
+        if not manifests and not datas:
+            return None
+        return StepListing(
+            step=step,
+            committed_ranks=frozenset(manifests),
+            partial_ranks=frozenset(datas - manifests),
+            world_size=world_size,
+            mtime=mtime or None,
+        )
+
+    def _read_manifest(self, job_id: str, step: int, rank: int) -> Manifest:
+        path = self.manifest_path(job_id, step, rank)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise ShardUnavailable(
+                f"{path}: no manifest, rank {rank} of step {step} is not committed in the "
+                f"{self.name} tier"
+            ) from None
+        except OSError as exc:
+            raise ShardUnavailable(
+                f"cannot read {path} ({exc.strerror}); check the mount and its permissions"
+            ) from exc
+        try:
+            m = Manifest.from_json(raw, str(path))
+        except ManifestError as exc:
+            raise ShardCorrupt(f"{exc}; quarantine it and restore from another tier") from None
+        # Another version or another job is not corruption: skip it, never quarantine it.
+        if m.format_version != FORMAT_VERSION:
+            raise ShardUnavailable(
+                f"{path}: manifest format version {m.format_version}, this Strata reads "
+                f"{FORMAT_VERSION}; upgrade Strata or restore another step"
+            )
+        if m.job_id != job_id:
+            raise ShardUnavailable(
+                f"{path}: manifest of job {m.job_id!r}, not {job_id!r}; "
+                "check STRATA_JOB_ID / the strata.dev/run-id annotation"
+            )
+        try:
+            m.check_identity(job_id, step, rank, None)
+        except ManifestError as exc:
+            raise ShardCorrupt(f"{path}: {exc}; quarantine it") from None
+        return m
+
+    def get_manifest(self, job_id: str, step: int, rank: int) -> Manifest:
+        """The committed manifest of the shard.
+
+        Raises :class:`ShardUnavailable` (missing, unreadable, another job or format version:
+        skipped, never quarantined) or :class:`ShardCorrupt` (malformed, or it names another
+        step/rank than its path).
+        """
+        return self._read_manifest(job_id, step, rank)
+
+    def verify_file(self, path: Path, manifest: Manifest) -> None:
+        """Check the first ``data_nbytes`` of ``path`` against the manifest's CRC32Cs.
+
+        Raises :class:`ShardCorrupt` naming the file and the first bad chunk, or when the file is
+        shorter than the manifest records.
+        """
+        try:
+            crcs, whole = crc.file_chunk_crcs(
+                path, manifest.data_nbytes, manifest.chunk_size, threads=self.verify_threads
+            )
+        except FileNotFoundError:
+            raise ShardCorrupt(f"{path}: data object missing under a committed manifest") from None
+        except ValueError as exc:
+            raise ShardCorrupt(f"{exc} (truncated); quarantine it") from None
+        bad = crc.first_bad_chunk(crcs, manifest.chunk_crc32c or [])
+        if bad is not None or whole != manifest.crc32c:
+            at = (
+                f" in chunk {bad} (from byte {bad * manifest.chunk_size})"
+                if bad is not None
+                else ""
+            )
+            raise ShardCorrupt(
+                f"{path}: CRC32C mismatch{at} against its manifest; the copy is corrupt, "
+                "quarantine it and restore from another tier"
+            )
+
+    def fetch_shard(
+        self, job_id: str, step: int, rank: int, dst_path: Path, verify: bool = True
+    ) -> Manifest:
+        """Copy the shard's data into ``dst_path`` chunk by chunk, checking each chunk's CRC32C.
+
+        ``dst_path`` is created if missing and NOT truncated (it may be a pre-faulted RAM slot
+        longer than the data); bytes beyond ``data_nbytes`` are left as they were. Raises
+        :class:`ShardUnavailable` (not committed, or not yet checksummed while ``verify``),
+        :class:`ShardCorrupt` (truncated or a CRC32C mismatch: quarantine and fall back),
+        :class:`TierFull` (the destination is full), :class:`TierError` otherwise.
+        """
+        m = self.get_manifest(job_id, step, rank)
+        if verify and not m.verified:
+            raise ShardUnavailable(
+                f"{self.manifest_path(job_id, step, rank)} has no checksums yet (its writer "
+                "stopped before the checksum pass); it cannot be verified"
+            )
+        src = self.data_path(job_id, step, rank)
+        try:
+            sfd = os.open(src, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ShardCorrupt(f"{src}: data object missing under a committed manifest") from None
+        except OSError as exc:
+            raise ShardUnavailable(f"cannot open {src} ({exc.strerror})") from exc
+        try:
+            size = os.fstat(sfd).st_size
+            if size < m.data_nbytes:
+                raise ShardCorrupt(
+                    f"{src} holds {size} bytes, its manifest records {m.data_nbytes} "
+                    "(truncated); quarantine it and restore from another tier"
+                )
+            self._copy_verified(sfd, src, Path(dst_path), m, verify)
+        finally:
+            os.close(sfd)
+        return m
+
+    def _copy_verified(self, sfd: int, src: Path, dst: Path, m: Manifest, verify: bool) -> None:
+        try:
+            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise TierError(f"cannot open {dst} for writing ({exc.strerror})") from exc
+        try:
+            if not verify:
+                copy_range(sfd, dfd, m.data_nbytes)
+                return
+            buf = bytearray(min(m.chunk_size, max(m.data_nbytes, 1)))
+            view = memoryview(buf)
+            expected = m.chunk_crc32c or []
+            crcs: list[int] = []
+            for i, off in enumerate(range(0, m.data_nbytes, m.chunk_size)):
+                n = min(m.chunk_size, m.data_nbytes - off)
+                piece = view[:n]
+                got = os.preadv(sfd, [piece], off)
+                if got != n:
+                    raise ShardCorrupt(f"{src}: short read at byte {off}; quarantine it")
+                c = crc.crc32c(piece)
+                if i >= len(expected) or c != expected[i]:
+                    raise ShardCorrupt(
+                        f"{src}: CRC32C mismatch in chunk {i} (from byte {off}) against its "
+                        "manifest; the copy is corrupt, quarantine it and restore from another tier"
+                    )
+                crcs.append(c)
+                os.pwrite(dfd, piece, off)
+            if crcs and crc.combine_chunks(crcs, m.data_nbytes, m.chunk_size) != m.crc32c:
+                raise ShardCorrupt(f"{src}: whole-object CRC32C mismatch; quarantine it")
+        except OSError as exc:
+            if exc.errno in _FULL:
+                raise TierFull(f"no space left writing {dst}; free space in its tier") from exc
+            raise TierError(f"copying {src} to {dst} failed: {exc}") from exc
+        finally:
+            os.close(dfd)
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def put_shard(
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        src_path: Path,
+        manifest: Manifest,
+        verify_source: bool = True,
+    ) -> int:
+        """Commit a shard from ``src_path`` (its first ``manifest.data_nbytes`` bytes).
+
+        The manifest must carry its checksums. With ``verify_source`` the source is checked
+        against them first (:class:`ShardCorrupt` when it does not match; nothing written).
+        Returns data bytes written (0 when this exact shard is already committed here).
+        Raises :class:`TierFull` on ENOSPC/EDQUOT and :class:`TierError` on other errors
+        (including a failed fsync); in both cases the files this call wrote are removed and
+        every committed step is untouched.
+        """
+        manifest.check_identity(job_id, step, rank, None)
+        if not manifest.verified:
+            raise TierError(
+                f"refusing to commit rank {rank} of step {step} to the {self.name} tier: its "
+                "manifest has no checksums yet (only checksummed shards are promoted)"
+            )
+        src = Path(src_path)
+        if verify_source:
+            self.verify_file(src, manifest)
+        d = self.step_dir(job_id, step)
+        data = self.data_path(job_id, step, rank)
+        man = self.manifest_path(job_id, step, rank)
+        if self._already_committed(job_id, step, rank, manifest):
+            return 0
+        written: list[Path] = []
+        try:
+            self._make_dirs(d)
+            if man.exists():
+                # A different copy of this shard is committed: un-commit it before its data is
+                # replaced, so no reader ever pairs the old manifest with new bytes.
+                man.unlink()
+                self._sync_dir(d)
+            self._write_data(src, data, manifest.data_nbytes, written)
+            tmp = man.with_name(f"{man.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            self._write_file(tmp, manifest.to_json(), written)
+            os.rename(tmp, man)
+            written.remove(tmp)
+            written.append(man)
+            self._sync_dir(d)
+        except OSError as exc:
+            for p in reversed(written):
+                _remove_quietly(p)
+            if exc.errno in _FULL:
+                raise TierFull(
+                    f"no space left on the {self.name} tier writing {exc.filename or data}; the "
+                    "partial files were removed and the previous committed steps are intact; "
+                    "free space, lower keep, or enlarge the volume"
+                ) from exc
+            raise TierError(
+                f"writing rank {rank} of step {step} to {d} failed ({exc}); the attempt was "
+                "abandoned (fsync is never retried) and its files removed; rewrite from the "
+                "source tier"
+            ) from exc
+        return manifest.data_nbytes
+
+    def _already_committed(self, job_id: str, step: int, rank: int, manifest: Manifest) -> bool:
+        try:
+            current = self._read_manifest(job_id, step, rank)
+        except ShardUnavailable:
+            return False
+        if current.crc32c != manifest.crc32c or current.data_nbytes != manifest.data_nbytes:
+            return False
+        try:
+            return self.data_path(job_id, step, rank).stat().st_size >= manifest.data_nbytes
+        except FileNotFoundError:
+            return False
+
+    def _make_dirs(self, d: Path) -> None:
+        missing = []
+        p = d
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for m in reversed(missing):
+            try:
+                m.mkdir()
+            except FileExistsError:
+                continue
+            self._sync_dir(m.parent)
+
+    def _sync_dir(self, d: Path) -> None:
+        if self.fsync:
+            fsync_dir(d)
+
+    def _write_data(self, src: Path, dst: Path, nbytes: int, written: list[Path]) -> None:
+        sfd = os.open(src, os.O_RDONLY)
+        try:
+            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            written.append(dst)
+            try:
+                try:
+                    copy_range(sfd, dfd, nbytes)
+                except EOFError as exc:
+                    raise OSError(errno.EIO, f"{src} is shorter than its manifest: {exc}") from exc
+                if self.fsync:
+                    os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+
+    def _write_file(self, path: Path, payload: bytes, written: list[Path]) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        written.append(path)
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- removing -------------------------------------------------------------------------------
+
+    def delete_step(self, job_id: str, step: int, ranks: frozenset[int] | None = None) -> None:
+        """Remove a step (all its files) or some ranks of it: manifests first, then data."""
+        d = self.step_dir(job_id, step)
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return
+        shards = [(n, layout.parse_shard(n)) for n in names]
+        manifests = [
+            n for n, p in shards if p and p[1] == "manifest" and (ranks is None or p[0] in ranks)
+        ]
+        for n in manifests:
+            _remove_quietly(d / n)
+        if manifests:
+            self._sync_dir(d)
+        for n, p in shards:
+            if p is None:
+                if ranks is None:
+                    _remove_quietly(d / n)
+            elif p[1] == "data" and (ranks is None or p[0] in ranks):
+                _remove_quietly(d / n)
+        try:
+            d.rmdir()
+            self._sync_dir(d.parent)
+        except OSError:
+            pass  # other ranks' files (or quarantined copies) remain
+
+    def quarantine(self, job_id: str, step: int, rank: int, reason: str) -> None:
+        """Rename the shard's manifest and data to ``<name>.quarantined-<ts>`` (+ ``.reason``)."""
+        ts = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+        man = self.manifest_path(job_id, step, rank)
+        data = self.data_path(job_id, step, rank)
+        try:
+            os.rename(man, man.with_name(f"{man.name}{layout.QUARANTINE_SUFFIX}-{ts}"))
+        except FileNotFoundError:
+            return
+        self._quarantine_data(data, ts)
+        try:
+            note = man.with_name(f"{layout.shard_stem(rank)}{layout.QUARANTINE_SUFFIX}-{ts}.reason")
+            note.write_text(reason + "\n")
+        except OSError:
+            pass
+        self._sync_dir(man.parent)
+        log.warning(
+            "quarantined rank %d of step %d in the %s tier (%s): %s",
+            rank,
+            step,
+            self.name,
+            self.root,
+            reason,
+        )
+
+    def _quarantine_data(self, data: Path, ts: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(data, data.with_name(f"{data.name}{layout.QUARANTINE_SUFFIX}-{ts}"))

@@ -1,0 +1,522 @@
+"""The RAM tier: a tmpfs directory holding a ring of pre-faulted slot files per rank.
+
+Why (DESIGN.md "RAM tier and the training stall"): writing fresh tmpfs files faults in every
+4 KiB page on first touch (~1 GB/s per core, 8-15x a memcpy). So each rank owns at least
+``keep + 1`` *slot* files, allocated once (``posix_fallocate``) and mapped persistently with
+``MAP_POPULATE`` by the writer; ``save()`` is then a memcpy into a mapped slot.
+
+Layout under the RAM root::
+
+    <job>/slots/rank-RRRRR/slot-K                  pre-allocated slot files (K = 0, 1, ...)
+    <job>/steps/<step>/rank-RRRRR.data             HARD LINK to the slot holding that step
+    <job>/steps/<step>/rank-RRRRR.manifest         commit record (``data_nbytes`` <= slot size)
+
+A slot is *free* when no step links to it (link count 1). Committing a step into a slot
+(:meth:`RamTier.commit_slot`) links it as the step's data and writes the manifest last.
+Reusing a slot un-commits its old step first (manifest removed, then the link) and only while
+holding ``fcntl.flock(LOCK_EX | LOCK_NB)`` on it. Readers (the sidecar promoting to the PVC, the
+client's checksum pass, a restore) hold ``LOCK_SH`` through :class:`SlotLease` while they read, so
+a slot under promotion is never overwritten (C-05): the writer takes another free slot or grows
+the ring by one slot instead -- never a torn copy.
+
+Slot allocation sits behind the :class:`SlotProvider` protocol. :class:`LocalSlotProvider`
+allocates in-process; the sidecar offers a socket-backed provider that allocates and pre-faults
+the slots itself, so their tmpfs pages are charged to the sidecar container (whose memory limit
+the webhook sizes to the RAM tier).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Protocol
+
+from strata import layout
+from strata.manifest import Manifest
+from strata.tiers.base import ShardUnavailable, TierError, TierFull
+from strata.tiers.posix import PosixTier, _remove_quietly, copy_range
+
+log = logging.getLogger(__name__)
+
+SLOT_ALIGN = 1024 * 1024
+"""Slot sizes are rounded up to whole MiB (fewer regrowths for states that vary a little)."""
+_SLOT_RE = re.compile(r"^slot-(\d+)$")
+
+
+class SlotsBusy(TierError):
+    """Every slot of the rank is committed (within ``keep``) or leased and the ring is at its
+    maximum size; the save is refused (back-pressure) and the previous steps stay intact."""
+
+
+def slots_dir(root: Path, job_id: str, rank: int) -> Path:
+    """``<root>/<job>/slots/rank-RRRRR``: the slot files of one rank."""
+    return root / job_id / "slots" / layout.shard_stem(rank)
+
+
+def slot_size_for(nbytes: int) -> int:
+    """Size of a slot able to hold ``nbytes`` (whole MiB, at least 1 MiB)."""
+    return max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
+
+
+def preallocate(path: Path, size: int) -> None:
+    """Create or grow ``path`` to ``size`` bytes with every page allocated (tmpfs: charged now).
+
+    ENOSPC raises :class:`TierFull` naming the path; a file this call created is removed and a
+    grown file is shrunk back, so a full tmpfs never leaves a half-allocated slot behind.
+    """
+    existed = path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        old = os.fstat(fd).st_size
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if existed:
+                os.ftruncate(fd, old)
+            else:
+                _remove_quietly(path)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFull(
+                    f"no space left on the RAM tier for a {size}-byte slot {path}; raise the "
+                    "RAM tier size limit (emptyDir sizeLimit) or lower ram.keep"
+                ) from exc
+            raise TierError(f"cannot allocate RAM slot {path} ({exc.strerror})") from exc
+    finally:
+        os.close(fd)
+
+
+def _try_lock(path: Path, how: int) -> int | None:
+    """Open ``path`` and take ``flock(how | LOCK_NB)``; the fd, or None when it is held."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _unlock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+class SlotProvider(Protocol):
+    """Hands out RAM slots to the writer of one rank.
+
+    ``acquire_slot(job_id, rank, nbytes, exclude)`` returns the path of a slot file of at least
+    ``nbytes`` bytes that no committed step references, pre-allocated, and not in ``exclude``
+    (slots the caller failed to lock). To free one it may un-commit the oldest RAM step of that
+    rank beyond ``keep``, never the newest committed step and never a slot it cannot lock
+    (LOCK_EX|LOCK_NB: a reader holds it). The caller then takes ``LOCK_EX`` itself and retries
+    with a longer ``exclude`` when that fails. Raises :class:`TierFull` (ENOSPC) or
+    :class:`SlotsBusy`.
+    """
+
+    def acquire_slot(
+        self, job_id: str, rank: int, nbytes: int, exclude: Collection[Path] = ()
+    ) -> Path: ...
+
+
+@dataclass
+class _SlotState:
+    path: Path
+    size: int
+    steps: list[tuple[int, bool]]
+    """(step, committed) of every step whose data links to this slot."""
+
+
+class LocalSlotProvider:
+    """In-process :class:`SlotProvider` over a :class:`RamTier`.
+
+    ``keep``: committed RAM steps per rank that must survive an allocation (config ram.keep).
+    The ring starts with ``keep + 1`` slots and grows up to ``max_slots`` (default ``keep + 3``)
+    while slots are leased by readers; beyond that :class:`SlotsBusy` is raised.
+    """
+
+    def __init__(self, tier: RamTier, keep: int = 1, max_slots: int | None = None) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.tier = tier
+        self.keep = keep
+        self.min_slots = keep + 1
+        self.max_slots = max(max_slots if max_slots is not None else keep + 3, self.min_slots)
+        self._lock = threading.Lock()
+
+    def acquire_slot(
+        self, job_id: str, rank: int, nbytes: int, exclude: Collection[Path] = ()
+    ) -> Path:
+        with self._lock:
+            return self._acquire(job_id, rank, nbytes, {Path(p) for p in exclude})
+
+    def _acquire(self, job_id: str, rank: int, nbytes: int, exclude: set[Path]) -> Path:
+        d = slots_dir(self.tier.root, job_id, rank)
+        d.mkdir(parents=True, exist_ok=True)
+        size = slot_size_for(nbytes)
+        slots = self.tier.slot_states(job_id, rank)
+        if len(slots) < self.min_slots:
+            # First use: allocate the whole ring now (one-time cost, outside later saves).
+            taken = {s.path.name for s in slots}
+            k = 0
+            while len(slots) < self.min_slots:
+                name = f"slot-{k}"
+                k += 1
+                if name in taken:
+                    continue
+                preallocate(d / name, size)
+                slots.append(_SlotState(d / name, size, []))
+        candidates = [s for s in slots if s.path not in exclude]
+        # 1. free slots (no step links them), or only stale partial links (a killed writer).
+        for s in sorted(candidates, key=lambda s: (s.size < nbytes, s.path.name)):
+            if all(not committed for _, committed in s.steps) and self._claim(
+                job_id, rank, s, nbytes
+            ):
+                return s.path
+        # 2. evict the oldest committed step beyond keep (never the newest).
+        committed_steps = sorted({st for s in slots for st, c in s.steps if c})
+        evictable = set(committed_steps[: max(0, len(committed_steps) - self.keep)])
+        by_age = sorted(
+            (s for s in candidates if s.steps and all(st in evictable for st, c in s.steps if c)),
+            key=lambda s: max(st for st, _c in s.steps),
+        )
+        for s in by_age:
+            if self._claim(job_id, rank, s, nbytes):
+                return s.path
+        # 3. grow the ring.
+        if len(slots) < self.max_slots:
+            names = {s.path.name for s in slots}
+            k = 0
+            while f"slot-{k}" in names:
+                k += 1
+            preallocate(d / f"slot-{k}", size)
+            log.info(
+                "RAM slot ring of rank %d grew to %d slots (others busy)", rank, len(slots) + 1
+            )
+            return d / f"slot-{k}"
+        raise SlotsBusy(
+            f"all {len(slots)} RAM slots of rank {rank} in {d} hold the newest {self.keep} "
+            "committed step(s) or are being read (promotion); this save is skipped and the "
+            "previous steps are intact. Raise ram.keep or save less often than promotion takes"
+        )
+
+    def _claim(self, job_id: str, rank: int, s: _SlotState, nbytes: int) -> bool:
+        fd = _try_lock(s.path, fcntl.LOCK_EX)
+        if fd is None:
+            return False
+        try:
+            for step, _committed in s.steps:
+                self.tier.uncommit(job_id, step, rank)
+            if s.size < nbytes:
+                preallocate(s.path, slot_size_for(nbytes))
+            return True
+        finally:
+            _unlock(fd)
+
+
+class SlotLease:
+    """Shared lock on a committed RAM shard while it is read (promotion, checksum, restore).
+
+    ``with SlotLease(tier, job, step, rank) as lease:`` opens the shard's data (a slot), takes
+    ``LOCK_SH`` (waiting up to ``timeout`` seconds while its writer holds ``LOCK_EX``), then
+    re-checks that the step is still committed and still links that slot, and re-reads the
+    manifest (``lease.manifest``; ``lease.path`` is the data path). While the lease is held the
+    writer cannot reuse the slot. Raises :class:`ShardUnavailable` when the shard is not (or no
+    longer) committed, or the lock is not granted in time. Works across processes (flock).
+    """
+
+    def __init__(
+        self, tier: RamTier, job_id: str, step: int, rank: int, timeout: float = 10.0
+    ) -> None:
+        self.tier = tier
+        self.job_id, self.step, self.rank = job_id, step, rank
+        self.timeout = timeout
+        self.path = tier.data_path(job_id, step, rank)
+        self._fd: int | None = None
+        self.manifest: Manifest | None = None
+
+    def __enter__(self) -> SlotLease:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ShardUnavailable(f"{self.path}: not committed in the RAM tier") from None
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise ShardUnavailable(
+                        f"{self.path}: its writer held it for {self.timeout:.0f} s"
+                    ) from None
+                time.sleep(0.002)
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            _unlock(fd)
+            raise ShardUnavailable(f"{self.path}: un-committed while being leased")
+        try:
+            self.manifest = self.tier.get_manifest(self.job_id, self.step, self.rank)
+        except BaseException:
+            _unlock(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._fd is not None:
+            _unlock(self._fd)
+            self._fd = None
+
+
+class RamTier(PosixTier):
+    """The RAM tier on a tmpfs directory (see the module docstring).
+
+    Reading, listing, retention and quarantine are the POSIX tier's; writes go through slots:
+    :meth:`commit_slot` (the training client), :meth:`put_shard` (copy a file into a slot).
+    fsync is off: on tmpfs it is a no-op, and RAM-tier durability is the pod's lifetime.
+    """
+
+    def __init__(
+        self, root: str | os.PathLike[str], *, keep: int = 1, verify_threads: int = 1
+    ) -> None:
+        super().__init__(root, "ram", fsync=False, verify_threads=verify_threads)
+        self.keep = keep
+
+    def slots_dir(self, job_id: str, rank: int) -> Path:
+        return slots_dir(self.root, job_id, rank)
+
+    def slot_states(self, job_id: str, rank: int) -> list[_SlotState]:
+        """Every slot of the rank with the steps that link to it (by inode)."""
+        d = self.slots_dir(job_id, rank)
+        slots: dict[int, _SlotState] = {}
+        try:
+            entries = list(os.scandir(d))
+        except FileNotFoundError:
+            return []
+        for e in entries:
+            if _SLOT_RE.match(e.name):
+                st = e.stat()
+                slots[st.st_ino] = _SlotState(Path(e.path), st.st_size, [])
+        steps_dir = self.root / layout.steps_prefix(job_id)
+        stem = layout.shard_stem(rank)
+        try:
+            step_entries = list(os.scandir(steps_dir))
+        except FileNotFoundError:
+            step_entries = []
+        for se in step_entries:
+            step = layout.parse_step(se.name)
+            if step is None:
+                continue
+            try:
+                ino = os.stat(os.path.join(se.path, stem + layout.DATA_SUFFIX)).st_ino
+            except FileNotFoundError:
+                continue
+            if ino in slots:
+                committed = os.path.exists(os.path.join(se.path, stem + layout.MANIFEST_SUFFIX))
+                slots[ino].steps.append((step, committed))
+        return sorted(slots.values(), key=lambda s: s.path.name)
+
+    def uncommit(self, job_id: str, step: int, rank: int) -> None:
+        """Remove a rank's shard of a step: manifest first, then the data link; drop empty dirs."""
+        _remove_quietly(self.manifest_path(job_id, step, rank))
+        _remove_quietly(self.data_path(job_id, step, rank))
+        with contextlib.suppress(OSError):
+            self.step_dir(job_id, step).rmdir()
+
+    def commit_slot(
+        self, job_id: str, step: int, rank: int, slot: Path, manifest: Manifest
+    ) -> None:
+        """Commit ``slot`` (already holding the data) as rank ``rank``'s shard of ``step``.
+
+        Links the slot as ``rank-R.data`` (replacing a stale partial link, and un-committing a
+        previous copy of the same shard first), then writes the manifest under a temporary name
+        and renames it: the commit point. The caller holds ``LOCK_EX`` on the slot.
+        """
+        manifest.check_identity(job_id, step, rank, None)
+        d = self.step_dir(job_id, step)
+        d.mkdir(parents=True, exist_ok=True)
+        data = self.data_path(job_id, step, rank)
+        man = self.manifest_path(job_id, step, rank)
+        _remove_quietly(man)
+        try:
+            same = os.stat(data).st_ino == os.stat(slot).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            _remove_quietly(data)
+            os.link(slot, data)
+        self.write_manifest(job_id, step, rank, manifest)
+
+    def write_manifest(self, job_id: str, step: int, rank: int, manifest: Manifest) -> None:
+        """Atomically (temp name + rename) write the shard's manifest."""
+        man = self.manifest_path(job_id, step, rank)
+        tmp = man.with_name(f"{man.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            tmp.write_bytes(manifest.to_json())
+            os.rename(tmp, man)
+        except OSError as exc:
+            _remove_quietly(tmp)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFull(f"no space left on the RAM tier writing {man}") from exc
+            raise
+
+    def update_checksums(
+        self, job_id: str, step: int, rank: int, chunk_crc32c: list[int], crc32c: int
+    ) -> bool:
+        """Record checksums in a committed, not yet checksummed manifest (caller holds a lease).
+
+        Returns False (and changes nothing) when the shard is no longer committed or already has
+        checksums.
+        """
+        try:
+            current = self.get_manifest(job_id, step, rank)
+        except ShardUnavailable:
+            return False
+        if current.verified:
+            return False
+        updated = current.model_copy(update={"chunk_crc32c": chunk_crc32c, "crc32c": crc32c})
+        self.write_manifest(job_id, step, rank, updated)
+        return True
+
+    def put_shard(
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        src_path: Path,
+        manifest: Manifest,
+        verify_source: bool = True,
+    ) -> int:
+        """Commit a shard from a file: copy it into a slot of this tier, then :meth:`commit_slot`."""
+        src = Path(src_path)
+        if verify_source and manifest.verified:
+            self.verify_file(src, manifest)
+        provider = LocalSlotProvider(self, keep=self.keep)
+        with SlotWriteLock.acquire(provider, job_id, rank, manifest.data_nbytes) as slot:
+            sfd = os.open(src, os.O_RDONLY)
+            dfd = os.open(slot, os.O_WRONLY)
+            try:
+                copy_range(sfd, dfd, manifest.data_nbytes)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise TierFull(f"no space left on the RAM tier writing {slot}") from exc
+                raise TierError(f"copying {src} into RAM slot {slot} failed: {exc}") from exc
+            finally:
+                os.close(sfd)
+                os.close(dfd)
+            self.commit_slot(job_id, step, rank, slot, manifest)
+        return manifest.data_nbytes
+
+    def quarantine(self, job_id: str, step: int, rank: int, reason: str) -> None:
+        """Rename the manifest aside and drop the data link, which frees the slot for reuse.
+
+        A RAM slot is reused, so its bad bytes are not kept (the quarantined manifest and its
+        ``.reason`` note stay as the record).
+        """
+        super().quarantine(job_id, step, rank, reason)
+
+    def _quarantine_data(self, data: Path, ts: str) -> None:
+        _remove_quietly(data)
+
+
+class SlotWriteLock:
+    """``LOCK_EX`` on a slot obtained from a provider; retries other slots when one is leased."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(
+        cls, provider: SlotProvider, job_id: str, rank: int, nbytes: int, attempts: int = 8
+    ) -> SlotWriteLock:
+        exclude: list[Path] = []
+        for _ in range(attempts):
+            path = provider.acquire_slot(job_id, rank, nbytes, exclude)
+            fd = _try_lock(path, fcntl.LOCK_EX)
+            if fd is not None:
+                if os.fstat(fd).st_nlink == 1 and os.fstat(fd).st_size >= nbytes:
+                    return cls(path, fd)
+                _unlock(fd)
+            exclude.append(path)
+        raise SlotsBusy(f"no lockable RAM slot for rank {rank} after {attempts} attempts")
+
+    def release(self) -> None:
+        if self._fd is not None:
+            _unlock(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class SlotMaps:
+    """Persistent writable mappings of slot files (``MAP_SHARED | MAP_POPULATE``), by path.
+
+    Mapping a pre-allocated tmpfs file with MAP_POPULATE wires its pages into this process's
+    page table once, so later copies into it take no page faults. A slot whose size changed
+    (grown) is remapped.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, tuple[int, mmap.mmap]] = {}
+
+    def get(self, path: Path) -> mmap.mmap:
+        size = os.stat(path).st_size
+        cur = self._maps.get(path)
+        if cur is not None and cur[0] == size:
+            return cur[1]
+        if cur is not None:
+            self._close(path)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fd)
+        self._maps[path] = (size, mm)
+        return mm
+
+    def _close(self, path: Path) -> None:
+        _, mm = self._maps.pop(path)
+        try:
+            mm.close()
+        except BufferError:
+            log.debug("slot map %s still exported; left to the garbage collector", path)
+
+    def close(self) -> None:
+        for path in list(self._maps):
+            self._close(path)
