@@ -159,7 +159,7 @@ def fresh_file_write(tensors: Sequence[torch.Tensor], path: Path) -> Measure:
     t0 = time.perf_counter()
     with open(path, "wb", buffering=0) as f:
         for t in tensors:
-            f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
     return {"seconds": time.perf_counter() - t0}
 
 

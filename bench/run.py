@@ -264,6 +264,7 @@ class Bench:
         shutil.copyfile(torch_file, disk_torch)
         bl.fsync_path(disk_torch)
         staged = d / "staged.bin"
+        pvc_restore = sc.PvcRestore(self.shm / "ram-restore", pvc, self.threads)
 
         def cold() -> None:
             for p in [disk_torch, *pvc.rglob("*.data")]:
@@ -278,16 +279,16 @@ class Bench:
             ),
             Case("memcpy_back_1t", lambda: floor.memmove_back(1)),
             Case("torch_load_shm", lambda: bl.torch_load(torch_file)),
-            Case("strata_restore_ram", lambda: sc.restore_ram(self.saver, w.state)),
+            Case("strata_restore_ram", lambda: self.saver.restore(w.state)),
             Case(
                 "cp_pvc_to_shm", lambda: bl.cp_plain(next(pvc.rglob("*.data")), staged), cold, cold
             ),
             Case("torch_load_disk", lambda: bl.torch_load(disk_torch), cold, cold),
             Case(
                 "strata_restore_pvc",
-                lambda: sc.restore_from_dir(pvc, self.saver, w.state),
-                cold,
-                cold,
+                lambda: pvc_restore.run(w.state),
+                lambda: (cold(), pvc_restore.setup()),
+                lambda: (pvc_restore.teardown(), cold()),
             ),
         ]
         res = self.rr(f"restore {w.name} (every byte read, verified where Strata)", cases, w.nbytes)
@@ -321,14 +322,11 @@ class Bench:
             saver.save(w.state)
             saver.wait_committed()
             src_data, src_manifest = saver.committed_shard()
-            with sc.GcsBench(self.shm / "gcs-dl") as g:
+            with sc.GcsBench(self.shm / "gcs") as g:
+                exact = g.exact_copy(src_data, sc.data_nbytes(src_manifest))
                 cases = [
-                    Case(
-                        "upload_from_filename", lambda: g.plain_upload(src_data), g.clear, g.clear
-                    ),
-                    Case(
-                        "transfer_manager_upload", lambda: g.tm_upload(src_data), g.clear, g.clear
-                    ),
+                    Case("upload_from_filename", lambda: g.plain_upload(exact), g.clear, g.clear),
+                    Case("transfer_manager_upload", lambda: g.tm_upload(exact), g.clear, g.clear),
                     Case(
                         "strata_promote_gcs",
                         lambda: g.strata_put(src_data, src_manifest),
@@ -336,23 +334,24 @@ class Bench:
                         g.clear,
                     ),
                 ]
-                res = self.rr(
-                    f"promote W1 (scale {self.args.gcs_scale:g}) RAM -> GCS (fake-gcs-server)",
-                    cases,
-                    w.nbytes,
-                )
+                title = f"promote W1 (scale {self.args.gcs_scale:g}) RAM -> GCS (fake-gcs-server)"
+                res = self.rr(title, cases, w.nbytes)
                 g.strata_put(src_data, src_manifest)
-                g.plain_upload(src_data)
+                g.plain_upload(exact)
                 cases = [
                     Case("download_to_filename", g.plain_download, g.clear_dl, g.clear_dl),
                     Case("transfer_manager_download", g.tm_download, g.clear_dl, g.clear_dl),
-                    Case("strata_fetch_gcs", g.strata_fetch, g.clear_dl, g.clear_dl),
+                    Case(
+                        "strata_fetch_gcs",
+                        lambda: g.strata_fetch(src_manifest),
+                        g.clear_dl,
+                        g.clear_dl,
+                    ),
                 ]
-                res2 = self.rr(
-                    f"restore W1 (scale {self.args.gcs_scale:g}) GCS -> RAM (verified where Strata)",
-                    cases,
-                    w.nbytes,
+                title = (
+                    f"restore W1 (scale {self.args.gcs_scale:g}) GCS -> RAM (verified where Strata)"
                 )
+                res2 = self.rr(title, cases, w.nbytes)
         finally:
             saver.close()
         r = self.ratios

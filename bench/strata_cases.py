@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from types import TracebackType
@@ -32,57 +33,217 @@ def gcs_unavailable() -> str | None:
 
 
 class StrataSaver:
-    """A Strata client on a RAM tier directory of its own."""
+    """A :class:`strata.Checkpointer` (rank 0 of 1) on a RAM tier directory of its own.
 
-    def __init__(self, ram_dir: Path, threads: int) -> None:
-        raise NotImplementedError
+    ``keep=1``: the default ring of two slots. Each :meth:`save` is a new step.
+    """
 
-    slots: int = 0
-    ram_dir: Path
+    def __init__(self, ram_dir: Path, threads: int, keep: int = 1) -> None:
+        from strata.client import Checkpointer
+
+        self.ram_dir = ram_dir
+        self.slots = keep + 1
+        self.step = 0
+        self.ck = Checkpointer(
+            job_id=JOB,
+            ram_dir=ram_dir,
+            keep=keep,
+            rank=0,
+            world_size=1,
+            copy_threads=threads,
+            raise_on_error=True,
+        )
 
     def save(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
+        self.step += 1
+        self.ck.save(self.step, state)
 
     def wait_committed(self) -> None:
-        raise NotImplementedError
+        """Until the background checksum pass has rewritten the manifest (promotable)."""
+        self.ck.wait()
 
     def committed_shard(self) -> tuple[Path, Path]:
-        raise NotImplementedError
+        """(data, manifest) paths of the newest committed step in the RAM tier."""
+        self.ck.wait()
+        ram = self.ck.ram
+        return ram.data_path(JOB, self.step, 0), ram.manifest_path(JOB, self.step, 0)
+
+    def restore(self, state: dict[str, Any]) -> Measure:
+        """``Checkpointer.restore``: inventory, RAM hit verified (every byte), load in place."""
+        t0 = time.perf_counter()
+        res = self.ck.restore(state)
+        seconds = time.perf_counter() - t0
+        if res.tier != "ram" or res.step != self.step:
+            raise RuntimeError(
+                f"restored step {res.step} from {res.tier}, expected RAM {self.step}"
+            )
+        return {"seconds": seconds}
 
     def close(self) -> None:
-        raise NotImplementedError
+        self.ck.close()
+
+
+class PvcRestore:
+    """A fresh client (empty RAM tier, as after a pod rescheduled elsewhere) restoring from
+    the PVC directory: stage (verified copy into a new RAM slot) then load in place."""
+
+    def __init__(self, ram_dir: Path, pvc_root: Path, threads: int) -> None:
+        self.ram_dir = ram_dir
+        self.pvc_root = pvc_root
+        self.threads = threads
+        self.ck: Any = None
+
+    def setup(self) -> None:
+        from strata.client import Checkpointer
+
+        shutil.rmtree(self.ram_dir, ignore_errors=True)
+        self.ck = Checkpointer(
+            job_id=JOB,
+            ram_dir=self.ram_dir,
+            pvc_dir=self.pvc_root,
+            rank=0,
+            world_size=1,
+            copy_threads=self.threads,
+            raise_on_error=True,
+        )
+
+    def run(self, state: dict[str, Any]) -> Measure:
+        t0 = time.perf_counter()
+        res = self.ck.restore(state)
+        seconds = time.perf_counter() - t0
+        if res.tier != "pvc":
+            raise RuntimeError(f"restored from {res.tier}, expected the PVC")
+        return {"seconds": seconds}
+
+    def teardown(self) -> None:
+        if self.ck is not None:
+            self.ck.close()
+            self.ck = None
+        shutil.rmtree(self.ram_dir, ignore_errors=True)
 
 
 def promote_once(src_data: Path, src_manifest: Path | None, dst_root: Path) -> None:
-    raise NotImplementedError
+    """Promote one committed RAM shard to a PVC directory the way the sidecar does.
 
+    :meth:`strata.tiers.posix.PosixTier.put_shard`: verify the source against its CRC32Cs,
+    copy in the kernel (copy_file_range), fsync, manifest last, fsync the directory.
+    """
+    from strata.tiers.posix import PosixTier
 
-def restore_ram(saver: StrataSaver, state: dict[str, Any]) -> Measure:
-    raise NotImplementedError
-
-
-def restore_from_dir(pvc_root: Path, saver: StrataSaver, state: dict[str, Any]) -> Measure:
-    raise NotImplementedError
+    if src_manifest is None:
+        raise ValueError("promote_once needs the shard's manifest")
+    m = _manifest(src_manifest)
+    PosixTier(dst_root, "pvc").put_shard(m.job_id, m.step, m.rank, src_data, m)
 
 
 class GcsBench:
-    def __init__(self, dl_dir: Path) -> None:
-        self.dl_dir = dl_dir
+    """fake-gcs-server (memory backend) plus the plain client, transfer_manager and Strata's tier.
+
+    The baselines upload an exact-length copy of the shard's bytes (a RAM slot file may be
+    longer than its shard); Strata uploads from the committed RAM file itself.
+    """
+
+    BUCKET = "strata-bench"
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.dl = workdir / "download.bin"
 
     def __enter__(self) -> GcsBench:
+        from strata.config import GcsTierConfig
+        from strata.emulator import FakeGcsServer
+        from strata.tiers.gcs import GcsTier
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.server = FakeGcsServer().start()
+        self.client = self.server.client()
+        self.bucket = self.client.create_bucket(self.BUCKET)
+        cfg = GcsTierConfig(bucket=self.BUCKET, endpoint=self.server.endpoint)
+        self.tier = GcsTier(cfg, writer_id="bench")
+        self.chunk = cfg.chunk_size_bytes
+        self.workers = cfg.max_workers
         return self
 
     def __exit__(
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        return None
+        self.tier.close()
+        self.client.close()
+        self.server.stop()
 
-    def clear(self) -> None: ...
-    def clear_dl(self) -> None: ...
+    def exact_copy(self, src: Path, nbytes: int) -> Path:
+        out = self.workdir / "shard-exact.bin"
+        with open(src, "rb") as fin, open(out, "wb") as fout:
+            fout.write(fin.read(nbytes))
+        return out
 
-    def plain_upload(self, src: Path) -> Measure:
+    def clear(self) -> None:
+        for blob in list(self.client.list_blobs(self.BUCKET)):
+            blob.delete()
+
+    def clear_dl(self) -> None:
+        self.dl.unlink(missing_ok=True)
+
+    def plain_upload(self, exact: Path) -> Measure:
         t0 = time.perf_counter()
+        self.bucket.blob("plain/shard.data").upload_from_filename(str(exact), checksum="crc32c")
         return {"seconds": time.perf_counter() - t0}
 
-    tm_upload = plain_upload
-    strata_put = plain_upload
+    def tm_upload(self, exact: Path) -> Measure:
+        from google.cloud.storage import transfer_manager as tm
+
+        # upload_chunks_concurrently (XML multipart) is not implemented by fake-gcs-server,
+        # so the transfer_manager baseline is upload_many (one stream per file, threads).
+        t0 = time.perf_counter()
+        tm.upload_many_from_filenames(
+            self.bucket,
+            [exact.name],
+            source_directory=str(exact.parent),
+            blob_name_prefix="tm/",
+            worker_type=tm.THREAD,
+            max_workers=self.workers,
+            raise_exception=True,
+        )
+        return {"seconds": time.perf_counter() - t0}
+
+    def strata_put(self, data: Path, manifest_path: Path) -> Measure:
+        m = _manifest(manifest_path)
+        t0 = time.perf_counter()
+        self.tier.put_shard(m.job_id, m.step, m.rank, data, m)
+        return {"seconds": time.perf_counter() - t0}
+
+    def plain_download(self) -> Measure:
+        t0 = time.perf_counter()
+        self.bucket.blob("plain/shard.data").download_to_filename(str(self.dl), checksum="crc32c")
+        return {"seconds": time.perf_counter() - t0}
+
+    def tm_download(self) -> Measure:
+        from google.cloud.storage import transfer_manager as tm
+
+        t0 = time.perf_counter()
+        tm.download_chunks_concurrently(
+            self.bucket.blob("plain/shard.data"),
+            str(self.dl),
+            chunk_size=self.chunk,
+            worker_type=tm.THREAD,
+            max_workers=self.workers,
+            crc32c_checksum=True,
+        )
+        return {"seconds": time.perf_counter() - t0}
+
+    def strata_fetch(self, manifest_path: Path) -> Measure:
+        m = _manifest(manifest_path)
+        t0 = time.perf_counter()
+        self.tier.fetch_shard(m.job_id, m.step, m.rank, self.dl, verify=True)
+        return {"seconds": time.perf_counter() - t0}
+
+
+def _manifest(path: Path) -> Any:
+    from strata.manifest import Manifest
+
+    return Manifest.from_json(path.read_bytes(), str(path))
+
+
+def data_nbytes(manifest_path: Path) -> int:
+    """Meaningful length of a committed shard's data object (a slot file may be longer)."""
+    return int(_manifest(manifest_path).data_nbytes)
