@@ -146,8 +146,9 @@ class LocalStager:
             return lock.path
 
         try:
+            tiers = [t for t in self.tiers() if sources is None or t.name in sources]
             res = stage_shard(
-                self.tiers(),
+                tiers,
                 job_id,
                 step,
                 rank,
@@ -414,7 +415,7 @@ class Checkpointer:
                 break
             try:
                 res: StageResult | None = self.stager.stage(
-                    self.job_id, plan.step, self.rank, self.world_size
+                    self.job_id, plan.step, self.rank, self.world_size, plan.sources[self.rank]
                 )
                 err = None
             except StageError as exc:
