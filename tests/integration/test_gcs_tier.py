@@ -34,11 +34,13 @@ from strata.tiers.gcs import (
     META_QUARANTINE_REASON,
     META_WRITER,
     PART_MARKER,
+    TRANSFER_ATTEMPTS,
     GcsBucketNotFound,
     GcsConflict,
     GcsTier,
     GcsUnreachable,
     SourceCorrupt,
+    TransferCorrupt,
     crc32c_of_b64,
 )
 from tests.fixtures.gcs import GcsEmulator, make_shard
@@ -97,10 +99,15 @@ def test_round_trip_bytes(
     assert listing.mtime is not None
     assert tier.get_manifest(JOB, 7, 3) == manifest
 
-    dst = tmp_path / "fetched.bin"
-    dst.write_bytes(b"stale content longer than the shard" * 100)
-    assert tier.fetch_shard(JOB, 7, 3, dst) == manifest
-    assert dst.read_bytes() == data
+    fresh = tmp_path / "fetched.bin"
+    assert tier.fetch_shard(JOB, 7, 3, fresh) == manifest
+    assert fresh.read_bytes() == data
+    # Into a longer, pre-allocated file (a RAM slot): not truncated, the tail is left alone.
+    slot = tmp_path / "slot.bin"
+    tail = os.urandom(3000)
+    slot.write_bytes(os.urandom(nbytes) + tail)
+    tier.fetch_shard(JOB, 7, 3, slot)
+    assert slot.read_bytes() == data + tail
 
     stored = admin.bucket(gcs_bucket).get_blob(f"ckpt/{layout.data_key(JOB, 7, 3)}")
     assert stored is not None
@@ -139,17 +146,6 @@ def test_crc_mismatch_is_detected_and_quarantined(
         tier.verify_shard(JOB, 5, 0)
     with pytest.raises(ShardCorrupt, match=f"gs://{gcs_bucket}/{name}"):
         tier.fetch_shard(JOB, 5, 0, tmp_path / "out.bin")
-
-    # Same length, so a single-stream fetch gets past the size check and the per-chunk CRCs
-    # name the chunk.
-    small = make_shard(tmp_path, job_id=JOB, step=6, nbytes=CHUNK)
-    tier.put_shard(JOB, 6, 0, small[0], small[1])
-    name6 = f"ckpt/{layout.data_key(JOB, 6, 0)}"
-    bad = bytearray(small[2])
-    bad[-1] ^= 0x01
-    admin.bucket(gcs_bucket).blob(name6).upload_from_string(bytes(bad))
-    with pytest.raises(ShardCorrupt, match="chunk 3"):
-        tier.fetch_shard(JOB, 6, 0, tmp_path / "out6.bin")
 
     tier.quarantine(JOB, 5, 0, reason="crc mismatch at restore")
     assert 5 not in tier.list_steps(JOB)
@@ -341,16 +337,24 @@ def test_c09_when_put_shard_returns_every_object_is_whole_and_manifest_is_last(
     assert not [n for n in _names(admin, gcs_bucket) if PART_MARKER in n]
 
 
-class _DropFirstResponseProxy:
-    """A loopback HTTP proxy in front of fake-gcs-server that forwards the first request
-    matching ``path_contains`` but drops its response (closes the connection), like a network
-    failure after the upload landed. Records every (method, path, status) it forwarded."""
+class _FaultProxy:
+    """A loopback HTTP proxy in front of fake-gcs-server that injects network faults.
 
-    def __init__(self, upstream: str, path_contains: str) -> None:
+    ``drop_first``: the first request whose path contains it is forwarded (the server applies
+    it) but its response is dropped (connection closed), like a network failure after an
+    upload landed. ``corrupt``: every response to a request whose path contains it has one
+    byte flipped in the middle of its body, like corruption in transit. Records every
+    (method, path, status) it forwarded in ``seen``.
+    """
+
+    def __init__(self, upstream: str, drop_first: str | None = None, corrupt: str | None = None):
         self.upstream = upstream.removeprefix("http://")
-        self.path_contains = path_contains
+        self.drop_first = drop_first
+        self.corrupt = corrupt
         self.dropped = 0
+        self.corrupted = 0
         self.seen: list[tuple[str, str, int]] = []
+        self._lock = threading.Lock()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -372,9 +376,26 @@ class _DropFirstResponseProxy:
                     payload = resp.read()
                 finally:
                     conn.close()
-                proxy.seen.append((self.command, self.path, resp.status))
-                if proxy.dropped == 0 and proxy.path_contains in self.path:
-                    proxy.dropped += 1
+                with proxy._lock:
+                    proxy.seen.append((self.command, self.path, resp.status))
+                    drop = (
+                        proxy.drop_first is not None
+                        and proxy.dropped == 0
+                        and proxy.drop_first in self.path
+                    )
+                    if drop:
+                        proxy.dropped += 1
+                    if (
+                        proxy.corrupt is not None
+                        and proxy.corrupt in self.path
+                        and resp.status in (200, 206)
+                        and payload
+                    ):
+                        flipped = bytearray(payload)
+                        flipped[len(flipped) // 2] ^= 0x01
+                        payload = bytes(flipped)
+                        proxy.corrupted += 1
+                if drop:
                     self.close_connection = True
                     return  # the upstream applied it; the client never hears back
                 self.send_response(resp.status)
@@ -391,7 +412,7 @@ class _DropFirstResponseProxy:
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> _DropFirstResponseProxy:
+    def __enter__(self) -> _FaultProxy:
         self.thread.start()
         return self
 
@@ -409,7 +430,7 @@ def test_412_on_retry_of_an_upload_that_landed_is_success(
     path, manifest, data = make_shard(tmp_path, job_id=JOB, step=3, nbytes=5000)
     # The first upload put_shard makes is the data object (a simple upload names the object in
     # the request body, not the URL).
-    with _DropFirstResponseProxy(gcs_emulator.endpoint, "uploadType=multipart") as proxy:
+    with _FaultProxy(gcs_emulator.endpoint, drop_first="uploadType=multipart") as proxy:
         cfg = gcs_emulator.tier_config(gcs_bucket, prefix="ckpt/", endpoint=proxy.endpoint)
         with GcsTier(cfg, writer_id=WRITER, retry_timeout=20) as tier:
             tier.put_shard(JOB, 3, 0, path, manifest)
@@ -430,8 +451,8 @@ def test_412_with_identical_bytes_already_there_is_success(
     blob.upload_from_string(data)
     tier.put_shard(JOB, 4, 0, path, manifest)
     assert tier.complete_steps(JOB) == [4]
-    # Idempotent: committing the same shard again is a no-op success.
-    tier.put_shard(JOB, 4, 0, path, manifest)
+    # Idempotent: committing the same shard again uploads nothing.
+    assert tier.put_shard(JOB, 4, 0, path, manifest) == 0
 
 
 def test_412_from_another_writer_is_a_clear_conflict(
@@ -483,7 +504,7 @@ def test_unreachable_endpoint_names_the_object(gcs_emulator: GcsEmulator, tmp_pa
             tier.list_steps(JOB)
         with pytest.raises(
             GcsUnreachable,
-            match=r"gs://some-bucket/ckpt/ns\.job/steps/000000000001/rank-00000\.data",
+            match=r"gs://some-bucket/ckpt/ns\.job/steps/000000000001/rank-00000\.(manifest|data)",
         ):
             tier.put_shard(JOB, 1, 0, path, manifest)
 
@@ -513,3 +534,50 @@ def test_delete_step_removes_only_that_step(
     tier.delete_step(JOB, 1)
     assert list(tier.list_steps(JOB)) == [2]
     assert all(f"/{layout.step_name(2)}/" in n for n in _names(admin, gcs_bucket))
+
+
+@pytest.mark.parametrize("nbytes", [CHUNK, 5 * CHUNK], ids=["single-range", "parallel-ranges"])
+def test_bytes_damaged_in_transit_are_caught_per_chunk_and_not_quarantined(
+    gcs_emulator: GcsEmulator, gcs_bucket: str, tmp_path: Path, nbytes: int
+) -> None:
+    """The stored object is intact (its CRC32C matches) but the bytes arriving are not: the
+    per-chunk CRC32C check names the chunk, the range is fetched again, and after the last
+    attempt the error is TransferCorrupt: a ShardUnavailable (fall back), never a ShardCorrupt
+    (the good stored copy must not be quarantined)."""
+    path, manifest, data = make_shard(
+        tmp_path, job_id=JOB, step=6, nbytes=nbytes, chunk_size=64 * 1024
+    )
+    with _FaultProxy(gcs_emulator.endpoint, corrupt=".data?alt=media") as proxy:
+        cfg = gcs_emulator.tier_config(gcs_bucket, prefix="ckpt/", endpoint=proxy.endpoint)
+        with GcsTier(cfg, writer_id=WRITER, retry_timeout=10) as tier:
+            tier.put_shard(JOB, 6, 0, path, manifest)
+            tier.verify_shard(JOB, 6, 0)  # server side: intact
+            with pytest.raises(
+                TransferCorrupt, match=r"rank-00000\.data: CRC32C mismatch in chunk"
+            ) as err:
+                tier.fetch_shard(JOB, 6, 0, tmp_path / "out.bin")
+            assert isinstance(err.value, ShardUnavailable)
+            assert not isinstance(err.value, ShardCorrupt)
+            assert proxy.corrupted >= TRANSFER_ATTEMPTS
+            out = tmp_path / "unverified.bin"
+            tier.fetch_shard(JOB, 6, 0, out, verify=False)
+            assert out.read_bytes() != data
+            assert len(out.read_bytes()) == nbytes
+    with GcsTier(
+        gcs_emulator.tier_config(gcs_bucket, prefix="ckpt/"), writer_id=WRITER, retry_timeout=10
+    ) as direct:
+        direct.fetch_shard(JOB, 6, 0, tmp_path / "clean.bin")
+    assert (tmp_path / "clean.bin").read_bytes() == data
+
+
+def test_manifest_damaged_in_transit_is_unavailable_not_corrupt(
+    gcs_emulator: GcsEmulator, gcs_bucket: str, tmp_path: Path
+) -> None:
+    path, manifest, _ = make_shard(tmp_path, job_id=JOB, step=2, nbytes=100)
+    with _FaultProxy(gcs_emulator.endpoint, corrupt=".manifest?alt=media") as proxy:
+        cfg = gcs_emulator.tier_config(gcs_bucket, prefix="ckpt/", endpoint=proxy.endpoint)
+        with GcsTier(cfg, writer_id=WRITER, retry_timeout=10) as tier:
+            tier.put_shard(JOB, 2, 0, path, manifest)
+            with pytest.raises(TransferCorrupt, match=r"rank-00000\.manifest: damaged in transit"):
+                tier.get_manifest(JOB, 2, 0)
+    assert proxy.corrupted == TRANSFER_ATTEMPTS

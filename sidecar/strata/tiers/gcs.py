@@ -33,9 +33,12 @@ Ownership: every object carries custom metadata ``strata-writer-id``. Garbage co
 (:meth:`GcsTier.gc_incomplete`) deletes only uncommitted objects of this writer (unless told
 otherwise); retention (:meth:`GcsTier.delete_step`) deletes whole complete steps regardless.
 
-Reading: :meth:`GcsTier.fetch_shard` downloads (in parallel byte ranges with transfer_manager's
-``download_chunks_concurrently`` for shards larger than ``chunk_size_bytes``) and verifies the
-bytes against the manifest's chunk CRC32Cs. A copy that fails verification is quarantined by
+Reading: :meth:`GcsTier.fetch_shard` first compares the stored object's size and CRC32C with the
+manifest, then downloads byte ranges (aligned to the manifest's checksum chunks, pinned to one
+object generation) in parallel threads straight into the destination, checking each chunk's
+CRC32C as it completes. transfer_manager's ``download_chunks_concurrently`` is not used because it
+truncates the destination (a pre-faulted RAM slot must keep its size) and checks only the whole
+object's CRC after the fact. A copy that fails verification is quarantined by
 :meth:`GcsTier.quarantine`: manifest (un-commit) then data are copied to
 ``<name>.quarantined-<UTC time>`` and the originals deleted.
 
@@ -51,14 +54,16 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import logging
 import math
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -68,7 +73,6 @@ from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
-from google.cloud.storage import transfer_manager
 from google.cloud.storage.exceptions import DataCorruption
 from google.cloud.storage.retry import (
     DEFAULT_RETRY,
@@ -78,9 +82,16 @@ from google.cloud.storage.retry import (
 
 from strata import layout
 from strata.config import GcsTierConfig, TierName
-from strata.crc import file_chunk_crcs, first_bad_chunk
-from strata.manifest import Manifest, ManifestError
-from strata.tiers.base import ShardCorrupt, ShardUnavailable, StepListing, Tier, TierError
+from strata.crc import combine_chunks, crc32c
+from strata.manifest import FORMAT_VERSION, Manifest, ManifestError
+from strata.tiers.base import (
+    ShardCorrupt,
+    ShardUnavailable,
+    StepListing,
+    Tier,
+    TierError,
+    TierFull,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +112,8 @@ MAX_COMPOSE_SOURCES = 32
 _PART_ALIGN = 256 * 1024
 _STORAGE_MAX_REASON = 1024
 _QUARANTINE_TS = "%Y%m%dT%H%M%S%fZ"
+TRANSFER_ATTEMPTS = 3
+"""Downloads of a range (or manifest) whose bytes fail their CRC32C before giving up."""
 
 
 class GcsError(TierError):
@@ -125,6 +138,14 @@ class GcsConflict(GcsError):
 
 class SourceCorrupt(ShardCorrupt):
     """``put_shard``'s source file does not match its manifest; nothing was committed."""
+
+
+class TransferCorrupt(ShardUnavailable, GcsError):
+    """Bytes kept arriving damaged although the stored object verifies server-side.
+
+    A :class:`ShardUnavailable` (fall back to another tier), deliberately not a
+    :class:`ShardCorrupt`: the stored copy is fine and must not be quarantined.
+    """
 
 
 def make_client(config: GcsTierConfig, project: str | None = None) -> storage.Client:
@@ -371,19 +392,48 @@ class GcsTier(Tier):
     # -- reading -------------------------------------------------------------------------------
 
     def get_manifest(self, job_id: str, step: int, rank: int) -> Manifest:
-        """The committed manifest. :class:`ShardUnavailable` when absent, :class:`ShardCorrupt`
-        when malformed or of another shard (quarantine it)."""
+        """The committed manifest of the shard.
+
+        Raises :class:`ShardUnavailable` (absent; or of another job or format version: skipped,
+        never quarantined) or :class:`ShardCorrupt` (malformed, or naming another step/rank
+        than its object name: quarantine it).
+        """
         key = layout.manifest_key(job_id, step, rank)
         name = self.object_name(key)
-        with self._errors("reading manifest", name, missing=ShardUnavailable):
-            raw = self._bucket.blob(name).download_as_bytes(
-                checksum="crc32c", retry=self._retry, timeout=self.request_timeout
+        where = self.url(key)
+        for attempt in range(1, TRANSFER_ATTEMPTS + 1):
+            try:
+                with self._errors("reading manifest", name, missing=ShardUnavailable):
+                    raw = self._bucket.blob(name).download_as_bytes(
+                        checksum="crc32c", retry=self._retry, timeout=self.request_timeout
+                    )
+                break
+            except DataCorruption as exc:
+                # The client compares the server's CRC32C header with what arrived.
+                if attempt == TRANSFER_ATTEMPTS:
+                    raise TransferCorrupt(
+                        f"{where}: damaged in transit in {TRANSFER_ATTEMPTS} downloads (CRC32C "
+                        "differs from the server's); check the network path or proxy"
+                    ) from exc
+                log.warning("%s damaged in transit; downloading it again", where)
+        try:
+            manifest = Manifest.from_json(raw, where)
+        except ManifestError as exc:
+            raise ShardCorrupt(f"{exc}; quarantine it and restore from another tier") from exc
+        if manifest.format_version != FORMAT_VERSION:
+            raise ShardUnavailable(
+                f"{where}: manifest format version {manifest.format_version}, this Strata reads "
+                f"{FORMAT_VERSION}; upgrade Strata or restore another step"
+            )
+        if manifest.job_id != job_id:
+            raise ShardUnavailable(
+                f"{where}: manifest of job {manifest.job_id!r}, not {job_id!r}; check "
+                "STRATA_JOB_ID / the strata.dev/run-id annotation and gcs.prefix"
             )
         try:
-            manifest = Manifest.from_json(raw, self.url(key))
             manifest.check_identity(job_id, step, rank, None)
         except ManifestError as exc:
-            raise ShardCorrupt(f"{self.url(key)}: {exc}; quarantine it") from exc
+            raise ShardCorrupt(f"{where}: {exc}; quarantine it") from exc
         return manifest
 
     def verify_shard(self, job_id: str, step: int, rank: int) -> Manifest:
@@ -417,86 +467,143 @@ class GcsTier(Tier):
     def fetch_shard(
         self, job_id: str, step: int, rank: int, dst_path: Path, verify: bool = True
     ) -> Manifest:
-        """Download the data object into ``dst_path`` (created or truncated) and verify it.
+        """Download the data object into ``dst_path``, verifying every chunk as it arrives.
 
-        Shards larger than ``chunk_size_bytes`` are downloaded in parallel byte ranges
-        (transfer_manager ``download_chunks_concurrently``, threads), which also checks the
-        combined CRC32C against the server's. With ``verify`` the file's bytes are checked
-        against the manifest's per-chunk CRC32Cs and whole CRC32C. Raises
-        :class:`ShardUnavailable` (not committed here), :class:`ShardCorrupt` (mismatch: the
-        caller quarantines and falls back) or another :class:`GcsError`.
+        ``dst_path`` is created if missing and NOT truncated (it may be a pre-faulted RAM slot
+        longer than the shard, as with the POSIX tiers); bytes beyond ``data_nbytes`` are left as
+        they were. The stored object's size and CRC32C are compared with the manifest first (no
+        transfer of a copy known to be bad); then byte ranges of at least ``chunk_size_bytes``,
+        aligned to the manifest's checksum chunks, are downloaded by ``max_workers`` threads,
+        all pinned to one object generation. With ``verify`` each manifest chunk's CRC32C is
+        checked as its last byte arrives (a mismatch aborts the download) and the whole-object
+        CRC32C at the end. Raises :class:`ShardUnavailable` (not committed here),
+        :class:`ShardCorrupt` (missing data, wrong size or a CRC32C mismatch: the caller
+        quarantines and falls back), or another :class:`GcsError`.
         """
         manifest = self.get_manifest(job_id, step, rank)
         if verify and not manifest.verified:
-            raise ShardCorrupt(
-                f"{self.manifest_url(job_id, step, rank)} records no CRC32C; it was not written "
-                "by Strata's commit protocol. Quarantine it"
+            raise ShardUnavailable(
+                f"{self.manifest_url(job_id, step, rank)} records no CRC32C (not written by "
+                "Strata's commit protocol); it cannot be verified"
             )
         key = layout.data_key(job_id, step, rank)
         name = self.object_name(key)
-        blob = self._bucket.blob(name)
-        dst = Path(dst_path)
-        try:
-            with self._errors("downloading", name, missing=ShardCorrupt):
-                if manifest.data_nbytes > self.config.chunk_size_bytes:
-                    blob.reload(retry=self._retry, timeout=self.request_timeout)
-                    self._check_blob(blob, manifest, "stored object")
-                    transfer_manager.download_chunks_concurrently(
-                        blob,
-                        str(dst),
-                        chunk_size=self.config.chunk_size_bytes,
-                        download_kwargs={"retry": self._retry, "timeout": self.request_timeout},
-                        worker_type=transfer_manager.THREAD,
-                        max_workers=self.config.max_workers,
-                        crc32c_checksum=True,
-                    )
-                else:
-                    with open(dst, "wb") as f:
-                        blob.download_to_file(
-                            f, checksum="crc32c", retry=self._retry, timeout=self.request_timeout
-                        )
-        except DataCorruption as exc:
+        where = self.url(key)
+        with self._errors("downloading", name, missing=ShardUnavailable):
+            stored = self._bucket.get_blob(name, retry=self._retry, timeout=self.request_timeout)
+        if stored is None:
             raise ShardCorrupt(
-                f"{self.url(key)}: download does not match the server's CRC32C ({exc}); "
-                "quarantine it and restore from another tier"
-            ) from exc
-        size = dst.stat().st_size
-        if size != manifest.data_nbytes:
-            raise ShardCorrupt(
-                f"{self.url(key)} holds {size} bytes, its manifest records "
-                f"{manifest.data_nbytes}; quarantine it and restore from another tier"
+                f"{where} is missing although its manifest is committed; quarantine the "
+                "manifest and restore from another tier"
             )
         if verify:
-            self._verify_file(dst, manifest, self.url(key))
-        return manifest
-
-    def _verify_file(self, path: Path, manifest: Manifest, where: str) -> None:
-        crcs, whole = file_chunk_crcs(
-            path, manifest.data_nbytes, manifest.chunk_size, threads=self.verify_threads
-        )
-        expected = manifest.chunk_crc32c or []
-        bad = first_bad_chunk(crcs, expected)
-        if bad is not None or whole != manifest.crc32c:
-            at = f"chunk {bad} (bytes from {bad * manifest.chunk_size})" if bad is not None else ""
+            self._check_blob(stored, manifest, "stored object")
+        elif stored.size != manifest.data_nbytes:
             raise ShardCorrupt(
-                f"{where}: CRC32C mismatch {at} against its manifest (whole object {whole} != "
-                f"{manifest.crc32c}); quarantine it and restore from another tier"
+                f"{where} holds {stored.size} bytes, its manifest records "
+                f"{manifest.data_nbytes}; quarantine it and restore from another tier"
             )
+        nbytes = manifest.data_nbytes
+        cs = manifest.chunk_size
+        span = max(cs, math.ceil(self.config.chunk_size_bytes / cs) * cs)
+        ranges = [(off, min(off + span, nbytes)) for off in range(0, nbytes, span)]
+        pinned = self._bucket.blob(name, generation=stored.generation)
+        abort = threading.Event()
+        dst = Path(dst_path)
+        try:
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise TierError(f"cannot open {dst} for writing ({exc.strerror})") from exc
+        try:
+            sinks = [
+                _ChunkVerifyingSink(fd, start, end, manifest if verify else None, where, abort)
+                for start, end in ranges
+            ]
+
+            def one(sink: _ChunkVerifyingSink) -> None:
+                for attempt in range(1, TRANSFER_ATTEMPTS + 1):
+                    sink.reset()
+                    try:
+                        with self._errors("downloading", name, missing=ShardCorrupt):
+                            pinned.download_to_file(
+                                sink,
+                                start=sink.start,
+                                end=sink.end - 1,
+                                checksum=None,  # per range; checked against the manifest instead
+                                retry=self._retry,
+                                timeout=self.request_timeout,
+                            )
+                        sink.finish()
+                        return
+                    except _TransitMismatch as exc:
+                        # The stored object's CRC32C matched the manifest, so these bytes were
+                        # damaged on the way: fetch the range again, never quarantine for it.
+                        if attempt == TRANSFER_ATTEMPTS:
+                            raise TransferCorrupt(
+                                f"{exc} in {TRANSFER_ATTEMPTS} downloads, although the stored "
+                                "object's CRC32C matches its manifest: the bytes are damaged in "
+                                "transit (check the network path or proxy); the stored copy is "
+                                "kept, restore from another tier meanwhile"
+                            ) from None
+                        log.warning("%s; downloading the range again", exc)
+
+            if len(sinks) == 1:
+                one(sinks[0])
+            elif sinks:
+                with ThreadPoolExecutor(
+                    max_workers=min(self.config.max_workers, len(sinks)),
+                    thread_name_prefix="strata-gcs-down",
+                ) as pool:
+                    futures = [pool.submit(one, sink) for sink in sinks]
+                    for future in as_completed(futures):
+                        if future.exception() is not None:
+                            abort.set()
+                errors = [e for f in futures if (e := f.exception()) is not None]
+                # Report the range that failed first, not the ranges it stopped.
+                errors.sort(key=lambda e: isinstance(e, _Aborted))
+                if errors:
+                    raise errors[0]
+        except OSError as exc:
+            abort.set()
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFull(f"no space left writing {dst} from {where}") from exc
+            raise TierError(f"writing {dst} from {where} failed ({exc})") from exc
+        finally:
+            os.close(fd)
+        if verify and nbytes:
+            crcs = [c for sink in sinks for c in sink.crcs]
+            whole = combine_chunks(crcs, nbytes, cs)
+            if whole != manifest.crc32c:
+                raise ShardCorrupt(
+                    f"{where}: whole-object CRC32C {whole} != {manifest.crc32c} in its manifest; "
+                    "quarantine it and restore from another tier"
+                )
+        return manifest
 
     # -- writing -------------------------------------------------------------------------------
 
     def put_shard(
-        self, job_id: str, step: int, rank: int, src_path: Path, manifest: Manifest
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        src_path: Path,
+        manifest: Manifest,
+        verify_source: bool = True,
     ) -> int:
         """Commit a shard: data object (CRC32C-checked) then manifest object, both create-only.
 
         ``src_path`` may be longer than ``manifest.data_nbytes`` (a RAM slot file); only that
         prefix is uploaded. The manifest must carry its checksums (``manifest.verified``).
-        Returns the data bytes committed. Raises :class:`SourceCorrupt` (the source does not
-        match its manifest; nothing committed), :class:`GcsConflict` (another writer holds the
-        objects), :class:`GcsBucketNotFound`, :class:`GcsPermissionDenied`,
-        :class:`GcsUnreachable`. On error nothing is committed; a partial data object may stay
-        until :meth:`gc_incomplete` removes it.
+        The source is read once: GCS's CRC32C of what it stored is compared with the manifest
+        (``verify_source`` is accepted for parity with the POSIX tiers; this check always runs,
+        it costs no extra read). Returns the data bytes uploaded; 0 when this exact shard is
+        already committed here (nothing is uploaded). Raises :class:`SourceCorrupt` (the source
+        does not match its manifest; nothing committed), :class:`ShardCorrupt` (this shard is
+        committed here but its stored copy is bad: quarantine it, then promote again),
+        :class:`GcsConflict` (another writer holds the objects), :class:`GcsBucketNotFound`,
+        :class:`GcsPermissionDenied`, :class:`GcsUnreachable`. On error nothing is committed;
+        a partial data object may stay until :meth:`gc_incomplete` removes it.
         """
         try:
             manifest.check_identity(job_id, step, rank, None)
@@ -518,10 +625,33 @@ class GcsTier(Tier):
                 f"source {src} holds {size} bytes, its manifest records {nbytes} (truncated); "
                 f"nothing was uploaded to {self.data_url(job_id, step, rank)}"
             )
+        if self._already_committed(job_id, step, rank, manifest):
+            return 0
         data_key = layout.data_key(job_id, step, rank)
         blob = self._put_data(src, data_key, manifest, allow_replace=True)
         self._put_manifest(job_id, step, rank, manifest, int(blob.generation or 0))
         return nbytes
+
+    def _already_committed(self, job_id: str, step: int, rank: int, manifest: Manifest) -> bool:
+        """True when this exact shard is committed here (and its data object checks out)."""
+        try:
+            current = self.get_manifest(job_id, step, rank)
+        except ShardCorrupt as exc:
+            raise GcsConflict(
+                f"{self.manifest_url(job_id, step, rank)} exists but is unreadable ({exc}); "
+                "quarantine it before promoting this step again"
+            ) from exc
+        except ShardUnavailable:
+            return False  # absent; an unreadable other-job manifest surfaces as a 412 later
+        if not _same_shard(current, manifest):
+            raise GcsConflict(
+                f"{self.manifest_url(job_id, step, rank)} is already committed with other "
+                f"content (writer {current.writer_id!r}, crc32c {current.crc32c}; this shard "
+                f"{manifest.crc32c}): another writer holds that object. Strata never overwrites "
+                "a committed shard"
+            )
+        self.verify_shard(job_id, step, rank)
+        return True
 
     def _put_data(
         self, src: Path, key: str, manifest: Manifest, allow_replace: bool
@@ -730,13 +860,7 @@ class GcsTier(Tier):
                     f"{self.url(key)}: 412 on create but the manifest is unreadable ({inner}); "
                     "another writer is using this prefix"
                 ) from exc
-            same = (
-                existing.crc32c == manifest.crc32c
-                and existing.data_nbytes == manifest.data_nbytes
-                and existing.chunk_crc32c == manifest.chunk_crc32c
-                and existing.world_size == manifest.world_size
-            )
-            if not same:
+            if not _same_shard(existing, manifest):
                 raise GcsConflict(
                     f"{self.url(key)} is already committed with other content (writer "
                     f"{existing.writer_id!r}, crc32c {existing.crc32c}; this shard {manifest.crc32c}): "
@@ -868,8 +992,107 @@ class GcsTier(Tier):
         return deleted
 
 
+def _same_shard(a: Manifest, b: Manifest) -> bool:
+    """Same bytes and identity (two manifests of one shard may differ in writer and time)."""
+    return (
+        a.crc32c == b.crc32c
+        and a.data_nbytes == b.data_nbytes
+        and a.chunk_size == b.chunk_size
+        and a.chunk_crc32c == b.chunk_crc32c
+        and a.world_size == b.world_size
+    )
+
+
 class _AlreadyExists(Exception):
     """Internal: a create-only call got 412 (the object exists)."""
+
+
+class _Aborted(Exception):
+    """Internal: another range of the same download failed; stop this one."""
+
+
+class _TransitMismatch(Exception):
+    """Internal: a downloaded range did not match the manifest's chunk CRC32Cs."""
+
+
+class _ChunkVerifyingSink:
+    """The file object one ranged download writes into.
+
+    Writes land at their offset in the destination (``os.pwrite``, so ranges can arrive in any
+    order from several threads without a shared file position) and, with a manifest, every
+    manifest chunk's CRC32C is computed on the fly and compared the moment the chunk is complete.
+    ``start`` is a multiple of the manifest's ``chunk_size``; ``end`` is exclusive.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        start: int,
+        end: int,
+        manifest: Manifest | None,
+        where: str,
+        abort: threading.Event,
+    ) -> None:
+        self.fd = fd
+        self.start = start
+        self.end = end
+        self.pos = start
+        self.manifest = manifest
+        self.where = where
+        self.abort = abort
+        self.crcs: list[int] = []
+        self._crc = 0
+
+    def write(self, data: bytes) -> int:
+        if self.abort.is_set():
+            raise _Aborted(self.where)
+        view = memoryview(data)
+        if self.pos + len(view) > self.end:
+            raise _TransitMismatch(f"{self.where}: more bytes arrived than requested")
+        written = 0
+        while written < len(view):
+            written += os.pwrite(self.fd, view[written:], self.pos + written)
+        if self.manifest is not None:
+            self._checksum(view)
+        else:
+            self.pos += len(view)
+        return len(view)
+
+    def _checksum(self, view: memoryview) -> None:
+        assert self.manifest is not None
+        cs = self.manifest.chunk_size
+        while view:
+            room = cs - (self.pos % cs)
+            piece, view = view[:room], view[room:]
+            self._crc = crc32c(piece, self._crc)
+            self.pos += len(piece)
+            if self.pos % cs == 0 or self.pos == self.manifest.data_nbytes:
+                self._chunk_done()
+
+    def _chunk_done(self) -> None:
+        assert self.manifest is not None
+        index = (self.pos - 1) // self.manifest.chunk_size
+        expected = self.manifest.chunk_crc32c or []
+        if index >= len(expected) or self._crc != expected[index]:
+            raise _TransitMismatch(
+                f"{self.where}: CRC32C mismatch in chunk {index} (bytes from "
+                f"{index * self.manifest.chunk_size}) against its manifest"
+            )
+        self.crcs.append(self._crc)
+        self._crc = 0
+
+    def reset(self) -> None:
+        """Start the range over (a new download attempt)."""
+        self.pos = self.start
+        self.crcs = []
+        self._crc = 0
+
+    def finish(self) -> None:
+        """Raise when the range ended early."""
+        if self.pos != self.end:
+            raise _TransitMismatch(
+                f"{self.where}: download of bytes {self.start}-{self.end} ended at {self.pos}"
+            )
 
 
 __all__ = [
@@ -886,6 +1109,7 @@ __all__ = [
     "GcsTier",
     "GcsUnreachable",
     "SourceCorrupt",
+    "TransferCorrupt",
     "crc32c_of_b64",
     "make_client",
 ]
