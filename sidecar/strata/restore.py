@@ -31,7 +31,7 @@ from typing import Any
 from strata import crc
 from strata.config import TIER_ORDER
 from strata.manifest import Manifest
-from strata.tiers.base import ShardCorrupt, ShardUnavailable, Tier, TierError
+from strata.tiers.base import ShardCorrupt, ShardUnavailable, StepListing, Tier, TierError
 from strata.tiers.ram import RamTier, SlotLease
 
 log = logging.getLogger(__name__)
@@ -209,8 +209,7 @@ def collect_inventory(
                 continue
             if entry.world_size is None:
                 notes.append(
-                    f"{tier.name}: step {step}: no readable manifest (malformed or written by "
-                    "another Strata version); skipped"
+                    f"{tier.name}: step {step} skipped: {_why_unreadable(tier, job_id, step, entry)}"
                 )
             elif entry.world_size != world_size:
                 notes.append(
@@ -222,6 +221,14 @@ def collect_inventory(
         committed[tier.name] = c
         partial[tier.name] = p
     return RankInventory(rank, world_size, committed, partial, tuple(notes))
+
+
+def _why_unreadable(tier: Tier, job_id: str, step: int, entry: StepListing) -> str:
+    try:
+        tier.get_manifest(job_id, step, min(entry.committed_ranks))
+    except TierError as exc:
+        return str(exc)
+    return "no readable manifest (malformed or written by another Strata version)"
 
 
 @dataclass
