@@ -87,8 +87,3 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- range .Values.webhook.excludedNamespaces }}{{ $ns = append $ns . }}{{ end }}
 {{- $ns | uniq | toJson }}
 {{- end }}
-
-{{/* URL path of a webhook handler: kopf routes `/<handler id>`; the ids are the operator's (webhook.py). */}}
-{{- define "strata.webhookPath" -}}
-{{- get (dict "pods" "/mutate-pod" "workloads" "/mutate-workload") . }}
-{{- end }}
