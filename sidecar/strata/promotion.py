@@ -527,11 +527,16 @@ class PromotionEngine:
         out = set(ranks & listing.partial_ranks)
         for rank in ranks & listing.committed_ranks:
             try:
-                if tier.get_manifest(self.job_id, listing.step, rank).writer_id == self.writer_id:
+                if self.wrote(tier.get_manifest(self.job_id, listing.step, rank).writer_id):
                     out.add(rank)
             except ShardUnavailable:
                 continue
         return frozenset(out)
+
+    def wrote(self, writer_id: str) -> bool:
+        """Whether a manifest's writer id is this pod's: the sidecar's own id, or one of its
+        trainers' (the client stamps ``<pod writer id>/rank-<r>``)."""
+        return writer_id == self.writer_id or writer_id.startswith(self.writer_id + "/")
 
     def _delete(
         self, tier: Tier, step: int, ranks: frozenset[int], reason: Literal["retention", "gc"]

@@ -29,10 +29,13 @@ JsonHandler = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
 class ApiError(Exception):
     """Raised by a handler: becomes ``{"error": message, "kind": kind}`` with ``status``."""
 
-    def __init__(self, status: int, kind: str, message: str) -> None:
+    def __init__(
+        self, status: int, kind: str, message: str, extra: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.extra = extra or {}
 
 
 class Routes:
@@ -91,7 +94,8 @@ def _make_handler(routes: Routes) -> type[BaseHTTPRequestHandler]:
                         raise ApiError(400, "bad_request", "the request body must be a JSON object")
                 status, response = handler(request)
             except ApiError as exc:
-                status, response = exc.status, {"error": str(exc), "kind": exc.kind}
+                status = exc.status
+                response = {"error": str(exc), "kind": exc.kind, **exc.extra}
             except json.JSONDecodeError as exc:
                 status, response = (
                     400,

@@ -1,0 +1,414 @@
+"""The sidecar process (``strata sidecar``): start-up, serving, promotion loop, SIGTERM flush.
+
+Life cycle (DESIGN.md "Parts and data flow"; issue 3):
+
+1. Configuration: :meth:`SidecarConfig.from_env` and the tier policies; invalid -> exit 2 with a
+   message naming the setting (:func:`main`).
+2. ``/metrics`` and ``/healthz`` on ``metrics_host:metrics_port`` start first; ``/healthz`` is
+   503 until start-up is done (the pod's startupProbe; Kubernetes starts the trainer only after a
+   native sidecar's startupProbe passed, so the trainer never races the pruning below).
+3. Start-up: prune this job's RAM directory to the newest committed step per rank (C-12),
+   re-open the slot rings a previous incarnation left (surplus free slots are released), take
+   the heartbeat, then open the local API socket and become ready.
+4. Running: the promotion loop (:class:`strata.promotion.PromotionEngine`), the heartbeat
+   (``<ram>/<job>/.strata-heartbeat`` for the hostPath janitor), periodic reports.
+5. SIGTERM/SIGINT: stop promoting by interval; if the newest committed RAM step is newer than
+   every durable step, promote it to the fastest durable tier before
+   ``termination_grace_seconds - TERM_MARGIN_SECONDS`` (C-14); send a last report; exit 0 after
+   a clean flush, 1 when the flush failed (logged as an error). SIGKILL loses at most the RAM
+   tier: durable commits are atomic (manifest last), so a killed promotion leaves only
+   uncommitted data that the next sidecar overwrites or garbage-collects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from types import FrameType
+from typing import Any
+
+from strata.agent.http import Routes, serve_tcp, serve_unix
+from strata.agent.janitor import touch_heartbeat
+from strata.agent.local_api import LocalApi
+from strata.agent.metrics import Metrics
+from strata.agent.reporter import Reporter
+from strata.config import SidecarConfig, TierName
+from strata.policies import tier_policies
+from strata.promotion import PromotionEngine, PromotionEvent, writer_id_of
+from strata.reports import MAX_EVENTS, Promotion, ReportedError, Restore, SidecarReport, TierState
+from strata.tiers.base import Tier, TierError
+from strata.tiers.posix import PosixTier
+from strata.tiers.ram import RamTier
+
+log = logging.getLogger("strata.sidecar")
+
+TERM_MARGIN_SECONDS = 5.0
+"""Seconds kept between the flush deadline and the pod's SIGKILL (last report, exit)."""
+HEARTBEAT_SECONDS = 10.0
+REPORT_SECONDS = 15.0
+
+
+class Sidecar:
+    """One sidecar: owns the tiers, the engine, the servers and the background threads."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        *,
+        poll_seconds: float = 0.5,
+        report_seconds: float = REPORT_SECONDS,
+    ) -> None:
+        self.config = config
+        self.policies = tier_policies(config)  # PolicyError names a conflicting setting
+        self.writer_id = writer_id_of(config)
+        self.ram = RamTier(config.ram.path, keep=config.ram.keep)
+        durable: dict[TierName, Tier] = {}
+        if config.pvc is not None:
+            durable["pvc"] = PosixTier(config.pvc.path, "pvc")
+        if config.gcs is not None:
+            from strata.tiers.gcs import GcsTier
+
+            durable["gcs"] = GcsTier(config.gcs, writer_id=self.writer_id)
+        self.durable = durable
+        self.metrics = Metrics()
+        self.engine = PromotionEngine(
+            config, self.ram, durable, policies=self.policies, on_event=self._on_event
+        )
+        self.poll_seconds = poll_seconds
+        self.report_seconds = report_seconds
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+        self.terminate = threading.Event()
+        self._events_lock = threading.Lock()
+        self._promotions: deque[Promotion] = deque(maxlen=MAX_EVENTS)
+        self._restores: deque[Restore] = deque(maxlen=MAX_EVENTS)
+        self._errors: deque[ReportedError] = deque(maxlen=MAX_EVENTS)
+        self._report_due = threading.Event()
+        self.reporter = self._make_reporter()
+        self.api = LocalApi(
+            config,
+            self.ram,
+            self.restore_tiers,
+            self.engine,
+            self.metrics,
+            self._on_client_event,
+            self.ready.is_set,
+        )
+        self._unix: Any = None
+        self._tcp: Any = None
+        self._threads: list[threading.Thread] = []
+
+    # -- tiers ------------------------------------------------------------------------------------
+
+    def restore_tiers(self) -> list[Tier]:
+        by_name: dict[str, Tier] = {"ram": self.ram, **self.durable}
+        return [by_name[t] for t in self.config.tiers_in_restore_order() if t in by_name]
+
+    # -- events -> metrics and reports ------------------------------------------------------------
+
+    def _make_reporter(self) -> Reporter | None:
+        c = self.config
+        if not c.report.endpoint:
+            return None
+        missing = [k for k in ("policy", "namespace", "pod_name") if not getattr(c, k)]
+        if missing:
+            log.warning(
+                "reports disabled: report.endpoint is set but %s missing (the webhook sets them)",
+                ", ".join(missing),
+            )
+            return None
+        return Reporter(c.report, on_drop=lambda _why: self.metrics.reports_dropped.inc())
+
+    def _on_event(self, event: PromotionEvent) -> None:
+        m = self.metrics
+        if event.kind == "promoted" and event.step is not None:
+            m.promotion_duration.labels(tier=event.tier).observe(event.seconds)
+            m.promotion_bytes.labels(tier=event.tier).inc(event.nbytes)
+            m.last_committed_step.labels(tier=event.tier).set(event.step)
+            with self._events_lock:
+                self._promotions.append(
+                    Promotion(
+                        tier=event.tier, step=event.step, bytes=event.nbytes, seconds=event.seconds
+                    )
+                )
+            self._report_due.set()
+        elif event.kind in ("failed", "gave_up"):
+            m.promotion_failures.labels(tier=event.tier).inc()
+            self._error(event.tier, f"step {event.step} ranks {list(event.ranks)}: {event.message}")
+        elif event.kind == "checksum_mismatch":
+            m.checksum_mismatches.labels(tier=event.tier).inc()
+            self._error(event.tier, f"checksum mismatch, quarantined: {event.message}")
+        elif event.kind in ("retention", "gc"):
+            m.retention_deleted.labels(tier=event.tier, reason=event.kind).inc()
+
+    def _error(self, tier: TierName | None, message: str) -> None:
+        with self._events_lock:
+            self._errors.append(ReportedError(tier=tier, message=message[:2048]))
+        self._report_due.set()
+
+    def _on_client_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("kind")
+        if kind == "save" and not event.get("ok", True):
+            self._error("ram", f"save of step {event.get('step')} failed: {event.get('error')}")
+        elif kind == "restore":
+            outcome = event.get("outcome", "restored")
+            tier = event.get("tier")
+            step = event.get("step")
+            restore = Restore(
+                tier=tier if tier in ("ram", "pvc", "gcs") else None,
+                step=step if isinstance(step, int) and step >= 0 else None,
+                bytes=int(event.get("nbytes") or 0),
+                seconds=float(event.get("seconds") or 0.0),
+                outcome=outcome if outcome in ("restored", "fresh-start", "failed") else "failed",
+                skipped=[str(s)[:512] for s in (event.get("skipped") or [])][:MAX_EVENTS],
+                rank=event.get("rank") if isinstance(event.get("rank"), int) else None,
+            )
+            with self._events_lock:
+                self._restores.append(restore)
+            log.info(
+                "client restore: %s step %s from %s",
+                restore.outcome,
+                restore.step,
+                restore.tier,
+                extra={"event": "client_restore", "tier": restore.tier, "step": restore.step},
+            )
+            self._report_due.set()
+
+    def tier_states(self) -> dict[TierName, TierState]:
+        """Per tier: newest complete step, newest step holding all local shards, complete count."""
+        ranks = self.engine.local_ranks()
+        out: dict[TierName, TierState] = {}
+        tiers: list[Tier] = [self.ram, *self.durable.values()]
+        for tier in tiers:
+            try:
+                listings = tier.list_steps(self.config.job_id)
+            except TierError as exc:
+                log.warning("cannot list the %s tier for a report: %s", tier.name, exc)
+                continue
+            complete = sorted(s for s, li in listings.items() if li.complete)
+            mine = [s for s, li in listings.items() if ranks and ranks <= li.committed_ranks]
+            state = TierState(
+                newest_complete_step=complete[-1] if complete else None,
+                newest_committed_step=max(mine) if mine else None,
+                complete_steps=len(complete),
+            )
+            out[tier.name] = state
+            if state.newest_committed_step is not None:
+                self.metrics.last_committed_step.labels(tier=tier.name).set(
+                    state.newest_committed_step
+                )
+        return out
+
+    def build_report(self) -> SidecarReport | None:
+        c = self.config
+        if not (c.policy and c.namespace and c.pod_name):
+            return None
+        with self._events_lock:
+            promotions, restores, errors = (
+                list(self._promotions),
+                list(self._restores),
+                list(self._errors),
+            )
+            self._promotions.clear()
+            self._restores.clear()
+            self._errors.clear()
+        return SidecarReport(
+            policy=c.policy,
+            namespace=c.namespace,
+            pod_name=c.pod_name,
+            pod_uid=c.pod_uid,
+            job_id=c.job_id,
+            tiers=self.tier_states(),
+            promotions=promotions,
+            restores=restores,
+            errors=errors,
+        )
+
+    def send_report(self) -> None:
+        if self.reporter is None:
+            self.tier_states()  # keeps strata_last_committed_step current
+            return
+        report = self.build_report()
+        if report is not None:
+            self.reporter.submit(report)
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def start_metrics(self) -> None:
+        if self.config.metrics_port == 0:
+            return
+        routes = Routes()
+        routes.add_raw(
+            "GET",
+            "/metrics",
+            lambda: (200, "text/plain; version=0.0.4; charset=utf-8", self.metrics.render()),
+        )
+        routes.add_raw(
+            "GET",
+            "/healthz",
+            lambda: (
+                (200, "text/plain", b"ok\n")
+                if self.ready.is_set()
+                else (503, "text/plain", b"starting\n")
+            ),
+        )
+        self._tcp = serve_tcp(self.config.metrics_host, self.config.metrics_port, routes)
+        log.info(
+            "metrics on http://%s:%d/metrics",
+            self.config.metrics_host,
+            self._tcp.server_address[1],
+            extra={"event": "metrics_listening"},
+        )
+
+    def start_up(self) -> None:
+        """C-12 pruning, slot rings, heartbeat; then the local API and readiness."""
+        job_dir = self.ram.root / self.config.job_id
+        job_dir.mkdir(parents=True, exist_ok=True)
+        removed = self.engine.prune_ram()
+        ranks = self.engine.local_ranks()
+        for rank in sorted(ranks):
+            slots = self.ram.slot_states(self.config.job_id, rank)
+            log.info(
+                "re-opened %d RAM slots of rank %d",
+                len(slots),
+                rank,
+                extra={
+                    "event": "slots_reopened",
+                    "rank": rank,
+                    "slots": [s.path.name for s in slots],
+                },
+            )
+        touch_heartbeat(self.ram.root, self.config.job_id)
+        newest = self.engine.newest_ram_step(ranks) if ranks else None
+        if newest is not None:
+            self.metrics.last_committed_step.labels(tier="ram").set(newest)
+        self._unix = serve_unix(self.config.socket, self.api.routes())
+        self.ready.set()
+        log.info(
+            "sidecar ready: job %s, RAM %s (newest step %s, %d stale shards pruned), durable tiers %s, socket %s",
+            self.config.job_id,
+            self.ram.root,
+            newest,
+            len(removed),
+            list(self.durable),
+            self.config.socket,
+            extra={"event": "ready"},
+        )
+
+    def _loop(self, name: str, every: float, body: Any) -> None:
+        def run() -> None:
+            while not self.stop.is_set():
+                try:
+                    body()
+                except Exception:
+                    log.exception("%s failed; continuing", name)
+                self.stop.wait(every)
+
+        t = threading.Thread(target=run, name=f"strata-{name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _report_loop(self) -> None:
+        last = 0.0
+        while not self.stop.is_set():
+            self._report_due.wait(timeout=self.report_seconds)
+            if self.stop.is_set():
+                return
+            # Coalesce bursts (a promotion to PVC and GCS in one round) into one report.
+            wait = 1.0 - (time.monotonic() - last)
+            if wait > 0 and self.stop.wait(wait):
+                return
+            self._report_due.clear()
+            last = time.monotonic()
+            try:
+                self.send_report()
+            except Exception:
+                log.exception("building a report failed")
+
+    def start_background(self) -> None:
+        t = threading.Thread(
+            target=self.engine.run,
+            args=(self.stop, self.poll_seconds),
+            name="strata-promotion",
+            daemon=True,
+        )
+        t.start()
+        self._threads.append(t)
+        self._loop(
+            "heartbeat",
+            HEARTBEAT_SECONDS,
+            lambda: touch_heartbeat(self.ram.root, self.config.job_id),
+        )
+        r = threading.Thread(target=self._report_loop, name="strata-report-loop", daemon=True)
+        r.start()
+        self._threads.append(r)
+        self._report_due.set()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            log.info("received %s", signal.Signals(signum).name, extra={"event": "signal"})
+            self.terminate.set()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def shutdown(self) -> int:
+        """SIGTERM path: flush the newest RAM step to the fastest durable tier (C-14)."""
+        grace = self.config.termination_grace_seconds
+        deadline = time.monotonic() + max(1.0, grace - TERM_MARGIN_SECONDS)
+        self.stop.set()
+        result = self.engine.flush(deadline)
+        if result.ok:
+            log.info(
+                "SIGTERM flush: %s (RAM step %s, durable step before %s, tier %s)",
+                result.message,
+                result.ram_step,
+                result.durable_step,
+                result.tier,
+                extra={"event": "flush", "ok": True, "tier": result.tier, "step": result.ram_step},
+            )
+        else:
+            log.error(
+                "SIGTERM flush FAILED: RAM step %s did not reach the %s tier before the deadline: %s",
+                result.ram_step,
+                result.tier,
+                result.message,
+                extra={"event": "flush", "ok": False, "tier": result.tier, "step": result.ram_step},
+            )
+            self._error(
+                result.tier, f"SIGTERM flush of step {result.ram_step} failed: {result.message}"
+            )
+        remaining = deadline + TERM_MARGIN_SECONDS - time.monotonic()
+        try:
+            self.send_report()
+        except Exception:
+            log.exception("last report failed")
+        if self.reporter is not None:
+            self.reporter.close(timeout=max(0.5, min(3.0, remaining - 1.0)))
+        self.close_servers()
+        return 0 if result.ok else 1
+
+    def close_servers(self) -> None:
+        for server in (self._unix, self._tcp):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+        self._unix = self._tcp = None
+        with contextlib.suppress(FileNotFoundError):
+            self.config.socket.unlink()
+        closer = getattr(self.durable.get("gcs"), "close", None)
+        if closer is not None:
+            closer()
+
+    def serve(self) -> int:
+        """Run until SIGTERM/SIGINT; returns the exit status."""
+        self.install_signal_handlers()
+        self.start_metrics()
+        self.start_up()
+        self.start_background()
+        self.terminate.wait()
+        return self.shutdown()
