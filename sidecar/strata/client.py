@@ -242,6 +242,12 @@ class Checkpointer:
             self.config.writer_id or self.config.pod_name or socket.gethostname()
         ) + f"/rank-{self.rank}"
         self.ram = RamTier(self.config.ram.path, keep=self.config.ram.keep)
+        if slot_provider is None and stager is None:
+            # A ready sidecar on the local socket serves slots and staging (strata.agent).
+            from strata.agent.api_client import connect
+
+            agent = connect(self.config.socket)
+            slot_provider, stager = agent, agent
         self.slot_provider: SlotProvider = slot_provider or LocalSlotProvider(
             self.ram, keep=self.config.ram.keep
         )
@@ -313,10 +319,12 @@ class Checkpointer:
                 step,
                 exc,
             )
+            self._report({"kind": "save", "step": step, "ok": False, "error": str(exc)})
             if self.raise_on_error:
                 raise
             return False
         stall = time.perf_counter() - t0
+        self._report({"kind": "save", "step": step, "ok": True, "stall_seconds": stall})
         self.last_stall_seconds = stall
         self.stall_seconds.append(stall)
         self.saves += 1
@@ -454,6 +462,7 @@ class Checkpointer:
                 res.nbytes,
                 result.seconds,
             )
+            self._report_restore(result, "restored")
             return result
         searched = ", ".join(
             f"{t}={self._tier_location(t)}" for t in self.config.tiers_in_restore_order()
@@ -465,12 +474,34 @@ class Checkpointer:
                 self.job_id,
                 searched,
             )
-            return RestoreResult(None, {}, 0, time.perf_counter() - t0, notes, state)
+            fresh = RestoreResult(None, {}, 0, time.perf_counter() - t0, notes, state)
+            self._report_restore(fresh, "fresh-start")
+            return fresh
+        self._report_restore(RestoreResult(None, {}, 0, time.perf_counter() - t0, notes), "failed")
         raise RestoreError(
             f"no restorable checkpoint for job {self.job_id!r} with world size {self.world_size} "
             f"(searched {searched}; excluded after failed staging: {excluded or 'none'}; notes: "
             f"{'; '.join(notes) or 'none'}). Set restore.allowFreshStart in the CheckpointPolicy "
             "(or allow_fresh_start=True) to start from scratch"
+        )
+
+    def _report(self, event: dict[str, Any]) -> None:
+        """Hand a save/restore event to the sidecar (off the training thread; best effort)."""
+        report = getattr(self.stager, "report", None)
+        if report is not None:
+            self._bg.submit(report, {"job_id": self.job_id, "rank": self.rank, **event})
+
+    def _report_restore(self, result: RestoreResult, outcome: str) -> None:
+        self._report(
+            {
+                "kind": "restore",
+                "outcome": outcome,
+                "step": result.step,
+                "tier": result.tier,
+                "nbytes": result.nbytes,
+                "seconds": result.seconds,
+                "skipped": result.skipped[:16],
+            }
         )
 
     def _tier_location(self, tier: str) -> str:
