@@ -1,0 +1,23 @@
+"""The sidecar image runs `strata sidecar`, installs the gcs extra and never torch."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+DOCKERFILE = Path(__file__).resolve().parents[2] / "sidecar" / "Dockerfile"
+
+
+def test_sidecar_image_runs_strata_sidecar_with_gcs_and_without_torch() -> None:
+    text = DOCKERFILE.read_text()
+    entrypoints = re.findall(r"^ENTRYPOINT (.+)$", text, re.MULTILINE)
+    assert json.loads(entrypoints[-1]) == ["strata", "sidecar"]
+    installs = re.findall(r"pip install [^\n]*", text)
+    assert installs and all(re.findall(r"\.\[([a-z,]+)\]", i) == ["gcs"] for i in installs)
+    assert '! /opt/strata/bin/python -c "import torch"' in text
+    assert re.search(r"^USER 65532", text, re.MULTILINE)
