@@ -641,6 +641,8 @@ class GcsTier(Tier):
                 f"{self.manifest_url(job_id, step, rank)} exists but is unreadable ({exc}); "
                 "quarantine it before promoting this step again"
             ) from exc
+        except TransferCorrupt:
+            raise
         except ShardUnavailable:
             return False  # absent; an unreadable other-job manifest surfaces as a 412 later
         if not _same_shard(current, manifest):
@@ -855,6 +857,8 @@ class GcsTier(Tier):
         except _AlreadyExists as exc:
             try:
                 existing = self.get_manifest(job_id, step, rank)
+            except TransferCorrupt:
+                raise
             except ShardUnavailable as inner:
                 raise GcsConflict(
                     f"{self.url(key)}: 412 on create but the manifest is unreadable ({inner}); "
