@@ -1,0 +1,253 @@
+"""The promotion engine on real tiers: /dev/shm RAM slots, a PVC directory, fake-gcs-server."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from strata import layout
+from strata.config import SidecarConfig
+from strata.promotion import PromotionEngine, PromotionEvent
+from strata.tiers.gcs import GcsTier
+from strata.tiers.posix import PosixTier
+from strata.tiers.ram import LocalSlotProvider, RamTier, SlotLease
+from tests.fixtures.gcs import GcsEmulator
+from tests.fixtures.sidecar import flip_byte, write_ram_shard
+
+pytestmark = pytest.mark.integration
+
+JOB = "ns.train"
+
+
+def make_config(
+    ram: Path, pvc: Path | None, gcs: dict[str, Any] | None = None, **extra: Any
+) -> SidecarConfig:
+    raw: dict[str, Any] = {
+        "job_id": JOB,
+        "ram": {"path": str(ram), "every": {"steps": 10}, "keep": 1},
+        "writer_id": "test-pod",
+        "gc_grace_seconds": 0,
+        **extra,
+    }
+    if pvc is not None:
+        raw["pvc"] = {"path": str(pvc), "every": {"steps": 20}, "keep": 2}
+    if gcs is not None:
+        raw["gcs"] = gcs
+    return SidecarConfig.parse(raw)
+
+
+def payload(step: int, rank: int = 0, n: int = 50_000) -> bytes:
+    return (f"step={step} rank={rank};".encode() * (n // 10 + 1))[:n]
+
+
+def pvc_bytes(pvc: PosixTier, step: int, rank: int = 0) -> bytes:
+    m = pvc.get_manifest(JOB, step, rank)
+    pvc.verify_file(pvc.data_path(JOB, step, rank), m)
+    return pvc.data_path(JOB, step, rank).read_bytes()[: m.data_nbytes]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[PromotionEvent] = []
+
+    def __call__(self, event: PromotionEvent) -> None:
+        self.events.append(event)
+
+    def kinds(self, kind: str) -> list[PromotionEvent]:
+        return [e for e in self.events if e.kind == kind]
+
+
+def test_intervals_retention_and_gcs_copy_from_the_pvc(
+    shm_dir: Path, tmp_path: Path, gcs_emulator: GcsEmulator, gcs_bucket: str
+) -> None:
+    gcs_cfg = gcs_emulator.tier_config(gcs_bucket, every={"steps": 40}, keep=1).model_dump(
+        mode="json"
+    )
+    config = make_config(shm_dir, tmp_path / "pvc", gcs_cfg)
+    ram = RamTier(shm_dir, keep=1)
+    pvc = PosixTier(tmp_path / "pvc")
+    gcs = GcsTier(config.gcs, writer_id="test-pod", client=gcs_emulator.client())  # type: ignore[arg-type]
+    events = Recorder()
+    engine = PromotionEngine(config, ram, {"pvc": pvc, "gcs": gcs}, on_event=events)
+    for step in range(10, 101, 10):
+        write_ram_shard(ram, JOB, step, 0, payload(step))
+        engine.promote_once()
+    promoted = [(e.tier, e.step) for e in events.kinds("promoted")]
+    assert [s for t, s in promoted if t == "pvc"] == [20, 40, 60, 80, 100]
+    assert [s for t, s in promoted if t == "gcs"] == [40, 80]
+    # Retention: PVC keeps 2, GCS keeps 1; only complete steps were ever deleted.
+    assert pvc.complete_steps(JOB) == [80, 100]
+    assert gcs.complete_steps(JOB) == [80]
+    for step in (80, 100):
+        assert pvc_bytes(pvc, step) == payload(step)
+    fetched = tmp_path / "from-gcs"
+    gcs.fetch_shard(JOB, 80, 0, fetched)
+    assert fetched.read_bytes()[: len(payload(80))] == payload(80)
+
+
+def test_c05_trainer_saves_while_the_sidecar_promotes(shm_dir: Path, tmp_path: Path) -> None:
+    """C-05: step N+1.. are saved while N is being promoted; the PVC copy of N is N, nothing hangs."""
+    started, release = threading.Event(), threading.Event()
+
+    class HeldPvc(PosixTier):
+        """A real PVC tier whose first put_shard pauses (the engine holds N's slot lease)."""
+
+        def put_shard(self, *args: Any, **kwargs: Any) -> int:
+            if not started.is_set():
+                started.set()
+                assert release.wait(30)
+            return super().put_shard(*args, **kwargs)
+
+    config = make_config(shm_dir, tmp_path / "pvc")
+    ram = RamTier(shm_dir, keep=1)
+    pvc = HeldPvc(tmp_path / "pvc")
+    engine = PromotionEngine(config, ram, {"pvc": pvc})
+    provider = LocalSlotProvider(ram, keep=1)
+    n = 20
+    write_ram_shard(ram, JOB, n, 0, payload(n), provider=provider)
+    promoting = threading.Thread(target=engine.promote_once)
+    promoting.start()
+    assert started.wait(30)
+    # The trainer keeps saving into the ring; N's slot is leased so the writer never reuses it.
+    for step in (21, 22, 23, 24):
+        write_ram_shard(ram, JOB, step, 0, payload(step), provider=provider)
+    release.set()
+    promoting.join(30)
+    assert not promoting.is_alive()
+    assert pvc_bytes(pvc, n) == payload(n)
+    assert pvc.get_manifest(JOB, n, 0).crc32c is not None
+    # The newest RAM step is intact too (the ring grew instead of tearing N).
+    with SlotLease(ram, JOB, 24, 0) as lease:
+        assert lease.manifest is not None
+        ram.verify_file(lease.path, lease.manifest)
+
+
+def test_an_io_error_abandons_the_attempt_and_a_later_round_retries_from_the_source(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    config = make_config(shm_dir, tmp_path / "pvc")
+    ram = RamTier(shm_dir, keep=1)
+    pvc = PosixTier(tmp_path / "pvc")
+    events = Recorder()
+    engine = PromotionEngine(config, ram, {"pvc": pvc}, on_event=events, backoff_seconds=0)
+    write_ram_shard(ram, JOB, 20, 0, payload(20))
+    # A file where the step directory must go: mkdir fails for real (ENOTDIR / EEXIST).
+    blocker = tmp_path / "pvc" / layout.step_key(JOB, 20)
+    blocker.parent.mkdir(parents=True)
+    blocker.write_bytes(b"not a directory")
+    first = engine.promote_once()
+    assert first.failed.get("pvc") and "pvc" not in first.promoted
+    assert events.kinds("failed")[0].step == 20
+    blocker.unlink()
+    second = engine.promote_once()
+    assert second.promoted == {"pvc": 20}
+    assert pvc_bytes(pvc, 20) == payload(20)
+
+
+def test_c04_a_corrupt_ram_shard_is_quarantined_not_promoted_and_not_retried(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    config = make_config(shm_dir, tmp_path / "pvc")
+    ram = RamTier(shm_dir, keep=1)
+    pvc = PosixTier(tmp_path / "pvc")
+    events = Recorder()
+    engine = PromotionEngine(config, ram, {"pvc": pvc}, on_event=events)
+    write_ram_shard(ram, JOB, 20, 0, payload(20))
+    flip_byte(ram.data_path(JOB, 20, 0))
+    engine.promote_once()
+    engine.promote_once()
+    assert [e.tier for e in events.kinds("checksum_mismatch")] == ["ram"]
+    assert pvc.list_steps(JOB) == {}
+    assert 20 not in ram.list_steps(JOB)  # quarantined: no longer committed, never served
+
+
+def test_a_shard_without_checksums_is_sealed_by_the_sidecar_and_then_promoted(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """The writer died before its checksum pass: after a while the sidecar checksums it itself."""
+    config = make_config(shm_dir, tmp_path / "pvc")
+    ram = RamTier(shm_dir, keep=1)
+    pvc = PosixTier(tmp_path / "pvc")
+    clock = [0.0]
+    engine = PromotionEngine(
+        config, ram, {"pvc": pvc}, seal_after_seconds=5, clock=lambda: clock[0]
+    )
+    write_ram_shard(ram, JOB, 20, 0, payload(20), verified=False)
+    assert engine.promote_once().promoted == {}  # maybe its writer is still checksumming
+    clock[0] = 6.0
+    assert engine.promote_once().promoted == {"pvc": 20}
+    assert pvc_bytes(pvc, 20) == payload(20)
+
+
+def test_flush_promotes_the_newest_ram_step_although_the_interval_is_not_due(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    config = make_config(shm_dir, tmp_path / "pvc")
+    ram = RamTier(shm_dir, keep=1)
+    pvc = PosixTier(tmp_path / "pvc")
+    engine = PromotionEngine(config, ram, {"pvc": pvc})
+    for step in (20, 30):
+        write_ram_shard(ram, JOB, step, 0, payload(step))
+        engine.promote_once()
+    assert pvc.complete_steps(JOB) == [20]
+    write_ram_shard(ram, JOB, 35, 0, payload(35), verified=False)
+    result = engine.flush(deadline=engine._clock() + 30)
+    assert result.ok and result.ram_step == 35 and result.durable_step == 20
+    assert pvc_bytes(pvc, 35) == payload(35)
+
+
+def test_retention_gc_respects_grace_writer_and_never_deletes_the_newest_complete(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    pvc_root = tmp_path / "pvc"
+    config = make_config(shm_dir, pvc_root, gc_grace_seconds=3600)
+    ram = RamTier(shm_dir, keep=1)
+    pvc = PosixTier(pvc_root)
+    # An interrupted promotion of ours (data, no manifest) and a step another writer committed,
+    # both older than the newest complete step.
+    staged = RamTier(tmp_path / "staging", keep=1)
+    m10 = write_ram_shard(
+        staged, JOB, 10, 0, payload(10), writer_id="other-pod/rank-0", world_size=2
+    )
+    pvc.put_shard(JOB, 10, 0, staged.data_path(JOB, 10, 0), m10)
+    partial = pvc_root / layout.data_key(JOB, 15, 0)
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(b"half a shard")
+    now = [time.time()]
+    engine = PromotionEngine(config, ram, {"pvc": pvc}, wall_clock=lambda: now[0])
+    write_ram_shard(ram, JOB, 20, 0, payload(20))
+    engine.promote_once()
+    # Within the grace period nothing incomplete is touched.
+    assert {15, 10, 20} <= set(pvc.list_steps(JOB))
+    now[0] += 3601
+    os.utime(partial, (now[0] - 7200, now[0] - 7200))
+    engine._progress["pvc"].last_maintenance = None
+    engine.promote_once()
+    steps = pvc.list_steps(JOB)
+    assert 15 not in steps  # our uncommitted leftovers: collected
+    assert 0 in steps[10].committed_ranks  # another writer's committed shard: left alone
+    assert pvc.complete_steps(JOB) == [20]
+
+
+def test_one_sidecar_serves_several_ranks_and_promotes_only_steps_all_of_them_committed(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    config = make_config(shm_dir, tmp_path / "pvc")
+    ram = RamTier(shm_dir, keep=1)
+    pvc = PosixTier(tmp_path / "pvc")
+    engine = PromotionEngine(config, ram, {"pvc": pvc})
+    for rank in (0, 1):
+        write_ram_shard(ram, JOB, 10, rank, payload(10, rank), world_size=2)
+    write_ram_shard(ram, JOB, 20, 0, payload(20, 0), world_size=2)
+    engine.promote_once()
+    assert engine.local_ranks() == {0, 1}
+    assert pvc.list_steps(JOB) == {}  # rank 1 has not committed step 20 yet
+    write_ram_shard(ram, JOB, 20, 1, payload(20, 1), world_size=2)
+    assert engine.promote_once().promoted == {"pvc": 20}
+    assert pvc.complete_steps(JOB) == [20]
+    assert pvc_bytes(pvc, 20, 1) == payload(20, 1)
