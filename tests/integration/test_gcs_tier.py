@@ -37,6 +37,7 @@ from strata.tiers.gcs import (
     TRANSFER_ATTEMPTS,
     GcsBucketNotFound,
     GcsConflict,
+    GcsPermissionDenied,
     GcsTier,
     GcsUnreachable,
     SourceCorrupt,
@@ -340,6 +341,7 @@ def test_c09_when_put_shard_returns_every_object_is_whole_and_manifest_is_last(
 class _FaultProxy:
     """A loopback HTTP proxy in front of fake-gcs-server that injects network faults.
 
+    ``forbid``: requests whose path contains it get GCS's 403 answer (IAM denies the caller).
     ``drop_first``: the first request whose path contains it is forwarded (the server applies
     it) but its response is dropped (connection closed), like a network failure after an
     upload landed. ``corrupt``: every response to a request whose path contains it has one
@@ -347,10 +349,17 @@ class _FaultProxy:
     (method, path, status) it forwarded in ``seen``.
     """
 
-    def __init__(self, upstream: str, drop_first: str | None = None, corrupt: str | None = None):
+    def __init__(
+        self,
+        upstream: str,
+        drop_first: str | None = None,
+        corrupt: str | None = None,
+        forbid: str | None = None,
+    ):
         self.upstream = upstream.removeprefix("http://")
         self.drop_first = drop_first
         self.corrupt = corrupt
+        self.forbid = forbid
         self.dropped = 0
         self.corrupted = 0
         self.seen: list[tuple[str, str, int]] = []
@@ -366,6 +375,18 @@ class _FaultProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                if proxy.forbid is not None and proxy.forbid in self.path:
+                    # What GCS answers when IAM denies the caller.
+                    err = (
+                        b'{"error":{"code":403,"message":"caller does not have '
+                        b'storage.objects.list access","errors":[{"reason":"forbidden"}]}}'
+                    )
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(err)))
+                    self.end_headers()
+                    self.wfile.write(err)
+                    return
                 headers = {
                     k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")
                 }
@@ -581,3 +602,23 @@ def test_manifest_damaged_in_transit_is_unavailable_not_corrupt(
             with pytest.raises(TransferCorrupt, match=r"rank-00000\.manifest: damaged in transit"):
                 tier.get_manifest(JOB, 2, 0)
     assert proxy.corrupted == TRANSFER_ATTEMPTS
+
+
+def test_permission_denied_names_the_bucket_and_what_to_grant(
+    gcs_emulator: GcsEmulator, gcs_bucket: str, tmp_path: Path
+) -> None:
+    with _FaultProxy(gcs_emulator.endpoint, forbid="/o") as proxy:  # object calls only
+        cfg = gcs_emulator.tier_config(gcs_bucket, prefix="ckpt", endpoint=proxy.endpoint)
+        with (
+            GcsTier(cfg, writer_id=WRITER, retry_timeout=5) as tier,
+            pytest.raises(
+                GcsPermissionDenied, match=rf"gs://{gcs_bucket}/ckpt/ns\.job/steps/.*objectUser"
+            ),
+        ):
+            tier.list_steps(JOB)
+        path, manifest, _ = make_shard(tmp_path, job_id=JOB, step=1)
+        with (
+            GcsTier(cfg, writer_id=WRITER, retry_timeout=5) as tier,
+            pytest.raises(GcsPermissionDenied, match=rf"gs://{gcs_bucket}/ckpt/ns\.job/steps/"),
+        ):
+            tier.put_shard(JOB, 1, 0, path, manifest)
