@@ -290,7 +290,9 @@ def build_pod_patch(
 
     ram_bytes = quantity_bytes(pol.tiers.ram.size_limit)
     existing_grace = spec.get("terminationGracePeriodSeconds")
-    grace = max(int(existing_grace or 30), pol.sidecar.termination_grace_period_seconds or 0)
+    # The apiserver defaults the field to 30 before admission; 0 (kill at once) is kept as 0.
+    current = 30 if existing_grace is None else int(existing_grace)
+    grace = max(current, pol.sidecar.termination_grace_period_seconds or 0)
 
     job_id = job_id_for(pod, ns)
     try:
@@ -301,7 +303,8 @@ def build_pod_patch(
             namespace=ns,
             report_endpoint=settings.report_endpoint,
             report_ca_path=f"{TOKEN_DIR}/{CA_FILE}" if settings.report_ca_pem else None,
-            termination_grace_seconds=float(grace),
+            # A grace period of 0 leaves no time for the SIGTERM flush; the contract needs > 0.
+            termination_grace_seconds=float(max(grace, 1)),
         )
     except ValidationError as exc:
         raise InjectionError(f"{pod_desc}: cannot build the sidecar configuration: {exc}") from None

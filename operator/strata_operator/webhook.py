@@ -35,6 +35,7 @@ import asyncio
 import base64
 import copy
 import functools
+import json
 import logging
 import os
 import tempfile
@@ -210,6 +211,7 @@ def apply_webhook_configuration(admission_api: Any, body: dict[str, Any]) -> Non
 
 
 ConfigWriter = Callable[[bytes, str | None], Coroutine[Any, Any, None]]
+Fallback = Callable[[dict[str, Any], str | None], Coroutine[Any, Any, dict[str, Any]]]
 
 
 class ManagedWebhookServer(kopf.WebhookServer):
@@ -217,11 +219,19 @@ class ManagedWebhookServer(kopf.WebhookServer):
 
     ``write_config(ca_bundle_pem, base_url)`` is awaited before the first listen and after every
     reload of changed certificate files (kopf re-reads them every ``file_check_interval``).
+    ``fallback(review, handler_id)`` answers reviews for resources kopf has not discovered.
     """
 
-    def __init__(self, *, write_config: ConfigWriter | None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        write_config: ConfigWriter | None,
+        fallback: Fallback | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self._write_config = write_config
+        self._fallback = fallback
 
     def base_url(self) -> str:
         return f"https://{self.host}:{self.port}"
@@ -231,9 +241,20 @@ class ManagedWebhookServer(kopf.WebhookServer):
             await self._write_config(Path(self.cafile).read_bytes(), self.base_url())
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        async def guarded(request: dict[str, Any], **kwargs: Any) -> Any:
+            try:
+                return await fn(request, **kwargs)
+            except Exception as exc:
+                # kopf answers 404 for a resource it has not discovered (yet): a CRD installed or
+                # reinstalled after the operator started may stay unknown to it. Serve those
+                # webhooks directly; the decision is the same function either way.
+                if type(exc).__name__ != "UnknownResourceError" or self._fallback is None:
+                    raise
+                return await self._fallback(request, kwargs.get("webhook"))
+
         await self._publish()
         first = True
-        async for client_config in super().__call__(fn):
+        async for client_config in super().__call__(guarded):  # type: ignore[arg-type]
             if not first:
                 await self._publish()
             first = False
@@ -301,16 +322,18 @@ def _apply_ops(ops: list[dict[str, Any]], raw_body: dict[str, Any]) -> None:
     jsonpatch.apply_patch(raw_body, ops, in_place=True)
 
 
+Builder = Callable[[dict[str, Any], dict[str, Any], WebhookState, str], list[dict[str, Any]]]
+
+
 async def _admit(
     kind: str,
-    body: kopf.Body,
-    patch: kopf.Patch,
+    body: Mapping[str, Any],
     warnings: list[str],
-    memo: kopf.Memo,
-    build: Callable[[dict[str, Any], dict[str, Any], WebhookState, str], list[dict[str, Any]]],
+    state: WebhookState,
+    build: Builder,
     policy_of: Callable[[dict[str, Any]], str | None],
-) -> None:
-    state: WebhookState = memo["webhook"]
+) -> list[dict[str, Any]]:
+    """Decide one admission: the JSON patch ops, or ``kopf.AdmissionError`` (4xx) saying why."""
     start = time.perf_counter()
     outcome = "error"
     try:
@@ -319,7 +342,7 @@ async def _admit(
         policy_name = policy_of(raw)
         if policy_name is None:
             outcome = "unchanged"
-            return
+            return []
         policy = await state.get_policy(namespace, policy_name)
         try:
             ops = build(raw, policy, state, namespace)
@@ -328,9 +351,8 @@ async def _admit(
         warning = _not_ready_warning(policy)
         if warning:
             warnings.append(warning)
-        if ops:
-            patch.fns.append(functools.partial(_apply_ops, ops))
         outcome = ("injected" if kind == "Pod" else "labelled") if ops else "unchanged"
+        return ops
     except kopf.AdmissionError as exc:
         outcome = "denied" if (exc.code or 500) < 500 else "error"
         raise
@@ -338,9 +360,23 @@ async def _admit(
         log.exception("admission of a %s failed", kind)
         raise kopf.AdmissionError(f"Strata webhook error on {kind}: {exc!r}", code=500) from None
     finally:
-        elapsed = time.perf_counter() - start
         m.ADMISSION_REQUESTS.labels(kind=kind, outcome=outcome).inc()
-        m.ADMISSION_DURATION.labels(kind=kind).observe(elapsed)
+        m.ADMISSION_DURATION.labels(kind=kind).observe(time.perf_counter() - start)
+
+
+async def _admit_into(
+    kind: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    warnings: list[str],
+    memo: kopf.Memo,
+    build: Builder,
+    policy_of: Callable[[dict[str, Any]], str | None],
+) -> None:
+    ops = await _admit(kind, body, warnings, memo["webhook"], build, policy_of)
+    if ops:
+        # kopf diffs the body before/after these functions into the response's JSON patch.
+        patch.fns.append(functools.partial(_apply_ops, ops))
 
 
 def _pod_policy(raw: dict[str, Any]) -> str | None:
@@ -367,6 +403,44 @@ def _build_workload(
     return build_workload_patch(raw)
 
 
+HANDLERS: dict[str, tuple[str, Builder, Callable[[dict[str, Any]], str | None]]] = {
+    POD_WEBHOOK: ("Pod", _build_pod, _pod_policy),
+    "label-jobs": ("Job", _build_workload, _workload_policy),
+    "label-jobsets": ("JobSet", _build_workload, _workload_policy),
+    "label-pytorchjobs": ("PyTorchJob", _build_workload, _workload_policy),
+}
+
+
+async def review_directly(
+    state: WebhookState, review: dict[str, Any], handler_id: str | None
+) -> dict[str, Any]:
+    """Answer an AdmissionReview without kopf's resource dispatch (see ManagedWebhookServer)."""
+    request = review.get("request") or {}
+    response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": True}
+    entry = HANDLERS.get(handler_id or "")
+    body = request.get("object")
+    warnings: list[str] = []
+    if entry is not None and isinstance(body, dict) and request.get("operation") == "CREATE":
+        kind, build, policy_of = entry
+        try:
+            ops = await _admit(kind, body, warnings, state, build, policy_of)
+        except kopf.AdmissionError as exc:
+            response["allowed"] = False
+            response["status"] = {"message": str(exc), "code": exc.code or 500}
+        else:
+            if ops:
+                encoded = base64.b64encode(json.dumps(ops).encode()).decode("ascii")
+                response["patch"] = encoded
+                response["patchType"] = "JSONPatch"
+    if warnings:
+        response["warnings"] = warnings
+    return {
+        "apiVersion": review.get("apiVersion", "admission.k8s.io/v1"),
+        "kind": review.get("kind", "AdmissionReview"),
+        "response": response,
+    }
+
+
 @kopf.on.mutate(
     "", "v1", "pods", id=POD_WEBHOOK, operations=["CREATE"], labels={POLICY_LABEL: kopf.PRESENT}
 )
@@ -374,7 +448,7 @@ async def inject_pod(
     body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **_: Any
 ) -> None:
     """Inject the Strata sidecar, volumes, env and mounts into a labelled pod."""
-    await _admit("Pod", body, patch, warnings, memo, _build_pod, _pod_policy)
+    await _admit_into("Pod", body, patch, warnings, memo, _build_pod, _pod_policy)
 
 
 def _register_workload(handler_id: str, group: str, version: str, plural: str) -> None:
@@ -383,7 +457,7 @@ def _register_workload(handler_id: str, group: str, version: str, plural: str) -
     async def label_workload(
         body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **_: Any
     ) -> None:
-        await _admit(kind, body, patch, warnings, memo, _build_workload, _workload_policy)
+        await _admit_into(kind, body, patch, warnings, memo, _build_workload, _workload_policy)
 
     label_workload.__doc__ = f"Label the pod templates of a {kind} annotated with a policy."
     label_workload.__name__ = f"label_{plural}"
@@ -423,6 +497,7 @@ async def start_webhook_server(settings: kopf.OperatorSettings, memo: kopf.Memo,
         pkeyfile=str(state.tls.keyfile),
         cafile=str(state.tls.cafile),
         write_config=write_config if opts.manage_configuration else None,
+        fallback=functools.partial(review_directly, state),
     )
     settings.admission.managed = None
 

@@ -363,3 +363,14 @@ def test_workload_without_annotation_is_untouched_and_existing_labels_kept() -> 
         "labels"
     ]
     assert labels == {"app": "train", "strata.dev/policy": "fast"}
+
+
+def test_zero_grace_period_is_kept_and_the_config_stays_valid() -> None:
+    policy = policy_obj(grace=None)
+    pod = inject(training_pod().spec_field("terminationGracePeriodSeconds", 0).obj(), policy)
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 0
+    env = env_of(pod["spec"]["containers"][0])
+    assert (
+        SidecarConfig.from_env({"STRATA_CONFIG": env["STRATA_CONFIG"]}).termination_grace_seconds
+        == 1
+    )

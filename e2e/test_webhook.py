@@ -1,0 +1,415 @@
+"""The admission webhook through the real kube-apiserver, served by the operator as a subprocess.
+
+Every pod here is created through the apiserver, which calls the operator's webhook over TLS with
+the CA bundle the operator wrote into the MutatingWebhookConfiguration; PodSecurity admission
+(built into the apiserver) then checks the injected pod where a namespace enforces ``restricted``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import string
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from tests.fixtures.pods import PodBuilder, job_obj, jobset_obj, policy_obj, pytorchjob_obj
+
+from e2e.cluster import LocalCluster
+from e2e.operator_fixtures import OPERATOR_NAMESPACE, OperatorProcess, ensure_namespace
+from strata.config import SidecarConfig
+from strata_operator.mutation import (
+    INJECTED_ANNOTATION,
+    POLICY_LABEL,
+    RANK_LABELS,
+    SIDECAR_NAME,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def api(k8s_cluster: LocalCluster) -> Iterator[client.ApiClient]:
+    api_client = k8s_cluster.api_client()
+    try:
+        yield api_client
+    finally:
+        api_client.close()
+
+
+def create_policy(api_client: client.ApiClient, namespace: str, **kw: Any) -> dict[str, Any]:
+    body = policy_obj(namespace=namespace, **kw)
+    created: dict[str, Any] = client.CustomObjectsApi(api_client).create_namespaced_custom_object(
+        "strata.dev", "v1alpha1", namespace, "checkpointpolicies", body
+    )
+    return created
+
+
+def create_pod(api_client: client.ApiClient, namespace: str, pod: dict[str, Any]) -> dict[str, Any]:
+    core = client.CoreV1Api(api_client)
+    created = core.create_namespaced_pod(namespace, pod, _preload_content=False)
+    data: dict[str, Any] = json.loads(created.data)
+    return data
+
+
+def denial(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body).get("message", ""))
+    except (TypeError, ValueError):
+        return str(exc.body or exc.reason)
+
+
+def sidecar_of(pod: dict[str, Any]) -> dict[str, Any] | None:
+    return next(
+        (c for c in pod["spec"].get("initContainers") or [] if c["name"] == SIDECAR_NAME), None
+    )
+
+
+def env_names(container: dict[str, Any]) -> set[str]:
+    return {e["name"] for e in container.get("env") or []}
+
+
+def test_labelled_pod_is_injected_and_stays_restricted(
+    operator_running: OperatorProcess, api: client.ApiClient, k8s_namespace: str
+) -> None:
+    core = client.CoreV1Api(api)
+    core.patch_namespace(
+        k8s_namespace,
+        {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
+    )
+    create_policy(api, k8s_namespace, pvc=None)
+    pod = create_pod(
+        api,
+        k8s_namespace,
+        PodBuilder("trainer-0", k8s_namespace)
+        .policy("fast")
+        .label("batch.kubernetes.io/job-name", "pretrain")
+        .label("batch.kubernetes.io/job-completion-index", "0")
+        .container("train")
+        .init_container("fetch")
+        .restricted()
+        .obj(),
+    )
+    sidecar = sidecar_of(pod)
+    assert sidecar is not None, "the pod was not injected"
+    assert sidecar["restartPolicy"] == "Always"
+    assert pod["metadata"]["annotations"][INJECTED_ANNOTATION] == "fast"
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["fetch", SIDECAR_NAME]
+    train = pod["spec"]["containers"][0]
+    config_json = next(e["value"] for e in train["env"] if e["name"] == "STRATA_CONFIG")
+    config = SidecarConfig.from_env({"STRATA_CONFIG": config_json})
+    assert config.job_id == f"{k8s_namespace}.pretrain"
+    assert config.report.endpoint == operator_running.report_url
+    assert "STRATA_COMPLETION_INDEX" in env_names(train)
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 120
+    # The restricted namespace's PodSecurity admission accepted the injected pod (it would have
+    # refused the create otherwise), and a hostPath RAM tier is refused there with its reason.
+    create_policy(api, k8s_namespace, name="hostpath", medium="HostPath", pvc=None)
+    with pytest.raises(ApiException) as refused:
+        create_pod(
+            api,
+            k8s_namespace,
+            PodBuilder("trainer-1", k8s_namespace)
+            .policy("hostpath")
+            .container("train")
+            .restricted()
+            .obj(),
+        )
+    assert refused.value.status == 403
+    assert "hostPath" in denial(refused.value)
+
+
+def test_workloads_get_the_label_on_every_template(
+    operator_running: OperatorProcess,
+    api: client.ApiClient,
+    k8s_namespace: str,
+    workload_crds: dict[str, str],
+) -> None:
+    create_policy(api, k8s_namespace)
+    custom = client.CustomObjectsApi(api)
+    job = client.BatchV1Api(api).create_namespaced_job(
+        k8s_namespace, job_obj("pretrain", policy="fast"), _preload_content=False
+    )
+    job_tmpl = json.loads(job.data)["spec"]["template"]
+    assert job_tmpl["metadata"]["labels"][POLICY_LABEL] == "fast"
+
+    js = custom.create_namespaced_custom_object(
+        "jobset.x-k8s.io", "v1alpha2", k8s_namespace, "jobsets", jobset_obj("llm", policy="fast")
+    )
+    tmpl = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert tmpl["metadata"]["labels"] == {"app": "train", POLICY_LABEL: "fast"}
+
+    pt = custom.create_namespaced_custom_object(
+        "kubeflow.org", "v1", k8s_namespace, "pytorchjobs", pytorchjob_obj("bert", policy="fast")
+    )
+    for rtype in ("Master", "Worker"):
+        labels = pt["spec"]["pytorchReplicaSpecs"][rtype]["template"]["metadata"]["labels"]
+        assert labels[POLICY_LABEL] == "fast", rtype
+
+    # Workloads without the annotation are not even sent to the webhook (matchConditions).
+    plain = client.BatchV1Api(api).create_namespaced_job(
+        k8s_namespace, job_obj("plain"), _preload_content=False
+    )
+    assert POLICY_LABEL not in (
+        json.loads(plain.data)["spec"]["template"].get("metadata", {}).get("labels") or {}
+    )
+
+
+def test_missing_policy_is_denied_with_policy_and_namespace(
+    operator_running: OperatorProcess,
+    api: client.ApiClient,
+    k8s_namespace: str,
+) -> None:
+    with pytest.raises(ApiException) as pod_err:
+        create_pod(
+            api, k8s_namespace, PodBuilder("p", k8s_namespace).policy("absent").container("t").obj()
+        )
+    assert pod_err.value.status == 403
+    message = denial(pod_err.value)
+    assert "absent" in message and k8s_namespace in message and "create the policy" in message
+    with pytest.raises(ApiException) as job_err:
+        client.BatchV1Api(api).create_namespaced_job(k8s_namespace, job_obj("j", policy="absent"))
+    assert job_err.value.status == 403
+    assert "absent" in denial(job_err.value) and k8s_namespace in denial(job_err.value)
+
+
+# --- 100+ generated odd pod specs -------------------------------------------------------------
+
+
+def _dns_label(rng: random.Random, n: int) -> str:
+    chars = string.ascii_lowercase + string.digits
+    body = "".join(rng.choice(chars + "-") for _ in range(max(0, n - 2)))
+    return rng.choice(string.ascii_lowercase) + body + rng.choice(chars) if n >= 2 else "a"
+
+
+def odd_pod(rng: random.Random, i: int, namespace: str) -> tuple[dict[str, Any], str]:
+    """One generated pod spec and what is expected: ``inject`` or ``deny:<fragment>``."""
+    if rng.random() < 0.2:
+        # a huge name: a 253-character DNS subdomain
+        name = ".".join(_dns_label(rng, 63) for _ in range(4))[:253].rstrip(".-")
+        name = f"{i}-{name}"[:253].rstrip(".-")
+        b = PodBuilder(name, namespace)
+    elif rng.random() < 0.5:
+        b = PodBuilder(None, namespace).generate_name(f"gen-{i}-")
+    else:
+        b = PodBuilder(f"odd-{i}", namespace)
+    expect = "inject"
+    roll = rng.random()
+    if roll < 0.06:
+        b.policy("no-such-policy")
+        expect = "deny:not found"
+    elif roll < 0.09:
+        b.policy("fast").annotation("strata.dev/run-id", "../" + _dns_label(rng, 5))
+        expect = "deny:strata.dev/run-id"
+    else:
+        b.policy(rng.choice(["fast", "lean"]))
+    n_containers = rng.choice([1, 1, 2, 3, 4])
+    names = set()
+    for c in range(n_containers):
+        cname = _dns_label(rng, rng.choice([1, 5, 63])) if rng.random() < 0.3 else f"c{c}"
+        if cname in names or cname == SIDECAR_NAME:
+            cname = f"c{c}x"
+        names.add(cname)
+        extra: dict[str, Any] = {}
+        r = rng.random()
+        if r < 0.3:
+            extra["resources"] = {"requests": {"cpu": "100m", "memory": "64Mi"}}
+        elif r < 0.5:
+            extra["resources"] = {"limits": {"cpu": "1", "memory": "1Gi"}}
+        if rng.random() < 0.2:
+            extra["env"] = [{"name": "POD_NAME", "value": "mine"}, {"name": "X", "value": "y"}]
+        if rng.random() < 0.1:
+            extra["volumeMounts"] = [{"name": "scratch", "mountPath": "/strata/ram"}]
+        b.container(cname, **extra)
+    if any("volumeMounts" in c for c in b.obj()["spec"]["containers"]):
+        b.volume("scratch", emptyDir={})
+    if roll >= 0.09 and rng.random() < 0.04:
+        b.container(SIDECAR_NAME)
+        expect = "deny:rename it"
+    for k in range(rng.choice([0, 0, 1, 2])):
+        if rng.random() < 0.5:
+            b.native_sidecar(f"side-{k}")
+        else:
+            b.init_container(f"init-{k}")
+    if rng.random() < 0.2:
+        b.spec_field("hostNetwork", True)
+    if rng.random() < 0.3:
+        b.spec_field("terminationGracePeriodSeconds", rng.choice([0, 5, 30, 600, 3600]))
+    for _, label in RANK_LABELS:
+        if rng.random() < 0.25:
+            b.label(label, str(rng.randint(0, 64)))
+    for workload_label in (
+        "jobset.sigs.k8s.io/jobset-name",
+        "training.kubeflow.org/job-name",
+        "batch.kubernetes.io/job-name",
+    ):
+        if rng.random() < 0.2:
+            b.label(workload_label, _dns_label(rng, rng.choice([3, 63])))
+    if rng.random() < 0.15:
+        b.restricted()
+    if rng.random() < 0.1:
+        b.annotation("unrelated.example.com/note", "x" * rng.randint(1, 2000))
+    return b.obj(), expect
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def test_generated_odd_pods_never_5xx_and_denials_say_why(
+    operator_running: OperatorProcess,
+    api: client.ApiClient,
+    k8s_namespace: str,
+) -> None:
+    create_policy(api, k8s_namespace)
+    create_policy(api, k8s_namespace, name="lean", pvc=None, ram_size="64Mi", grace=None)
+    rng = random.Random(20261130)
+    results: list[tuple[str, int | None, str]] = []
+    latencies_injected: list[float] = []
+    latencies_plain: list[float] = []
+    errors_before = sum(
+        v
+        for (n, labels), v in operator_running.metrics().items()
+        if n == "strata_admission_requests_total" and ("outcome", "error") in labels
+    )
+    n = 120
+    for i in range(n):
+        pod, expect = odd_pod(rng, i, k8s_namespace)
+        start = time.perf_counter()
+        try:
+            created = create_pod(api, k8s_namespace, pod)
+        except ApiException as exc:
+            assert exc.status is not None and exc.status < 500, (
+                f"pod #{i}: {exc.status} {denial(exc)}"
+            )
+            message = denial(exc)
+            assert expect.startswith("deny:"), f"pod #{i} refused unexpectedly: {message}"
+            assert expect.removeprefix("deny:") in message, (i, message)
+            assert "denied the request" in message, message
+            results.append((expect, exc.status, message))
+            continue
+        latencies_injected.append(time.perf_counter() - start)
+        assert not expect.startswith("deny:"), f"pod #{i} should have been refused ({expect})"
+        sidecar = sidecar_of(created)
+        assert sidecar is not None, f"pod #{i} not injected"
+        for c in created["spec"]["containers"]:
+            assert "STRATA_CONFIG" in env_names(c), (i, c["name"])
+        names = [c["name"] for c in pod["spec"].get("initContainers") or []]
+        assert [c["name"] for c in created["spec"]["initContainers"]] == [*names, SIDECAR_NAME]
+        grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+        policy_grace = 120 if pod["metadata"]["labels"][POLICY_LABEL] == "fast" else 0
+        assert created["spec"]["terminationGracePeriodSeconds"] == max(grace, policy_grace)
+        if pod["spec"].get("hostNetwork"):
+            assert "ports" not in sidecar
+        results.append((expect, None, ""))
+    # The same kind of pods without the label never reach the webhook: the baseline.
+    for i in range(40):
+        start = time.perf_counter()
+        create_pod(api, k8s_namespace, PodBuilder(f"plain-{i}", k8s_namespace).container("c").obj())
+        latencies_plain.append(time.perf_counter() - start)
+
+    denied = [r for r in results if r[1] is not None]
+    assert len(results) == n and 0 < len(denied) < n
+    assert operator_running.alive(), operator_running.log_tail()
+    errors_after = sum(
+        v
+        for (name, labels), v in operator_running.metrics().items()
+        if name == "strata_admission_requests_total" and ("outcome", "error") in labels
+    )
+    assert errors_after == errors_before
+    p50, p99 = _percentile(latencies_injected, 0.5), _percentile(latencies_injected, 0.99)
+    b50, b99 = _percentile(latencies_plain, 0.5), _percentile(latencies_plain, 0.99)
+    print(
+        f"\n[admission] {n} generated pods: {n - len(denied)} injected, {len(denied)} denied; "
+        f"create latency with webhook p50 {p50 * 1000:.1f} ms p99 {p99 * 1000:.1f} ms; "
+        f"without (unlabelled) p50 {b50 * 1000:.1f} ms p99 {b99 * 1000:.1f} ms; "
+        f"webhook overhead p50 {(p50 - b50) * 1000:.1f} ms; "
+        f"mean handler time {statistics.fmean(latencies_injected) * 1000:.1f} ms client-side"
+    )
+
+
+# --- C-10 and C-11 ------------------------------------------------------------------------------
+
+
+def test_c10_operator_stopped_failure_policy_fail_and_ignore(
+    strata_operator: OperatorProcess,
+    operator_running: OperatorProcess,
+    api: client.ApiClient,
+    k8s_cluster: LocalCluster,
+    k8s_namespace: str,
+) -> None:
+    create_policy(api, k8s_namespace, pvc=None)
+    ensure_namespace(k8s_cluster, OPERATOR_NAMESPACE)
+    strata_operator.stop()
+
+    # kube-system and the operator's namespace never depend on the webhook, even when labelled.
+    for ns in ("kube-system", OPERATOR_NAMESPACE):
+        pod = create_pod(
+            api, ns, PodBuilder(None, ns).generate_name("c10-").policy("fast").container("c").obj()
+        )
+        assert sidecar_of(pod) is None
+        client.CoreV1Api(api).delete_namespaced_pod(pod["metadata"]["name"], ns)
+
+    # failurePolicy Fail: a training pod is refused, and the message names the webhook.
+    with pytest.raises(ApiException) as refused:
+        create_pod(
+            api,
+            k8s_namespace,
+            PodBuilder("t-fail", k8s_namespace).policy("fast").container("c").obj(),
+        )
+    message = denial(refused.value)
+    assert "inject-pods.strata.dev" in message and "failed calling webhook" in message, message
+
+    # failurePolicy Ignore: written by the operator, then the operator stops again.
+    strata_operator.start(["--failure-policy=Ignore"])
+    strata_operator.stop()
+    pod = create_pod(
+        api,
+        k8s_namespace,
+        PodBuilder("t-ignore", k8s_namespace).policy("fast").container("c").obj(),
+    )
+    assert sidecar_of(pod) is None  # created uninjected...
+    strata_operator.start(["--failure-policy=Ignore"])
+    # ...and reported as unprotected once the operator is back: an Event on the pod.
+    deadline = time.monotonic() + 30
+    reasons: list[str] = []
+    while time.monotonic() < deadline:
+        events = client.CoreV1Api(api).list_namespaced_event(
+            k8s_namespace, field_selector="involvedObject.name=t-ignore"
+        )
+        reasons = [e.reason for e in events.items]
+        if "NotProtected" in reasons:
+            break
+        time.sleep(0.5)
+    assert "NotProtected" in reasons, strata_operator.log_tail()
+    assert strata_operator.metric("strata_pods_uninjected_total") >= 1
+
+
+def test_c11_restart_with_a_new_certificate_keeps_pod_creation_working(
+    strata_operator: OperatorProcess,
+    operator_running: OperatorProcess,
+    api: client.ApiClient,
+    k8s_namespace: str,
+) -> None:
+    create_policy(api, k8s_namespace, pvc=None)
+    old_ca = strata_operator.ca_file.read_bytes()
+    assert strata_operator.ca_bundle_in_cluster() == old_ca
+    strata_operator.restart()
+    new_ca = strata_operator.ca_file.read_bytes()
+    assert new_ca != old_ca
+    # The configuration was updated before the new server accepted a request: the very first
+    # pods after the restart are injected (an old caBundle would fail them with x509 errors).
+    assert strata_operator.ca_bundle_in_cluster() == new_ca
+    for i in range(5):
+        pod = create_pod(
+            api,
+            k8s_namespace,
+            PodBuilder(f"after-restart-{i}", k8s_namespace).policy("fast").container("c").obj(),
+        )
+        assert sidecar_of(pod) is not None
