@@ -343,9 +343,17 @@ class RamTier(PosixTier):
         return sorted(slots.values(), key=lambda s: s.path.name)
 
     def uncommit(self, job_id: str, step: int, rank: int) -> None:
-        """Remove a rank's shard of a step: manifest first, then the data link; drop empty dirs."""
-        _remove_quietly(self.manifest_path(job_id, step, rank))
+        """Remove a rank's shard of a step: manifest first, then the data link; drop empty dirs.
+
+        Also removes that shard's leftover temporary manifests (a writer killed mid-rename).
+        """
+        man = self.manifest_path(job_id, step, rank)
+        _remove_quietly(man)
         _remove_quietly(self.data_path(job_id, step, rank))
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(man.parent):
+                if name.startswith(man.name + ".tmp-"):
+                    _remove_quietly(man.parent / name)
         with contextlib.suppress(OSError):
             self.step_dir(job_id, step).rmdir()
 
