@@ -32,7 +32,8 @@ import argparse
 import importlib
 import logging
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -81,13 +82,33 @@ class Clients:
     custom: Any
 
 
+class GenerationDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's last-handled-configuration annotation, plus ``metadata.generation``.
+
+    kopf decides "update" by comparing the spec with the last *successfully handled* one. When a
+    user breaks a policy (the handler is retrying) and reverts it before the retry, the spec
+    equals the last handled one again and kopf drops the pending update: status stays at the
+    broken generation forever. With the generation in the essence every spec change, reverts
+    included, is an update.
+    """
+
+    def build(
+        self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None
+    ) -> kopf.BodyEssence:
+        essence = super().build(body=body, extra_fields=extra_fields)
+        generation = body.get("metadata", {}).get("generation")
+        if generation is not None:
+            essence.setdefault("metadata", {})["generation"] = generation  # type: ignore[typeddict-unknown-key]
+        return essence
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Tune kopf and create the Kubernetes clients (same kubeconfig/in-cluster config as kopf)."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=PERSISTENCE_PREFIX
     )
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = GenerationDiffBaseStorage(
         prefix=PERSISTENCE_PREFIX, key="last-handled-configuration"
     )
     settings.persistence.finalizer = FINALIZER
@@ -274,12 +295,27 @@ def build_parser(extensions: Sequence[ModuleType] = ()) -> argparse.ArgumentPars
     return parser
 
 
+def use_kubeconfig(path: str) -> None:
+    """Make every later ``kubernetes.config.load_config()`` (ours, kopf's, the extensions') and
+    kopf's login read ``path``.
+
+    The kubernetes client reads ``$KUBECONFIG`` once, at import, into
+    ``KUBE_CONFIG_DEFAULT_LOCATION`` (also re-exported by ``kubernetes.config``), and kopf imports
+    it before any flag is parsed; so the module globals are updated along with the variable.
+    """
+    os.environ["KUBECONFIG"] = path
+    for name in ("kubernetes.config", "kubernetes.config.kube_config"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "KUBE_CONFIG_DEFAULT_LOCATION"):
+            setattr(module, "KUBE_CONFIG_DEFAULT_LOCATION", path)  # noqa: B010
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the operator until SIGINT/SIGTERM; returns the exit code."""
     extensions = _extensions()
     args = build_parser(extensions).parse_args(argv)
     if args.kubeconfig:
-        os.environ["KUBECONFIG"] = args.kubeconfig
+        use_kubeconfig(args.kubeconfig)
     kopf.configure(verbose=args.verbose, debug=args.debug)
     memo = kopf.Memo(
         options=Options(

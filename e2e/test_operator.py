@@ -1,0 +1,589 @@
+"""The operator against a real kube-apiserver: CRD admission, reconcile, restarts, C-13.
+
+The operator runs as a real subprocess (``python -m strata_operator``) with the session's
+kubeconfig, bucket checks going to a real fake-gcs-server (``STORAGE_EMULATOR_HOST``). Invalid
+policies are sent with ``fieldValidation=Strict`` (what ``kubectl apply`` does by default): with
+the default ``Warn`` the apiserver would silently prune unknown fields instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from tests.fixtures.policies import InvalidCase, PolicyBuilder, invalid_policies
+
+from e2e.cluster import LOOPBACK_NO_PROXY, ClusterError, LocalCluster, free_port
+from strata_operator import api
+from strata_operator import conditions as c
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parent.parent
+CRD_FILE = REPO / "crds" / f"{api.PLURAL}.{api.GROUP}.yaml"
+WAIT = 60.0
+"""Upper bound of every wait (seconds); tests assert outcomes, never durations."""
+
+Obj = dict[str, Any]
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = WAIT) -> Any:
+    """Poll ``probe`` until it returns something truthy; fail naming ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
+
+
+class Operator:
+    """``python -m strata_operator`` as a subprocess (own process group, log file)."""
+
+    def __init__(self, cluster: LocalCluster, log_dir: Path, gcs_endpoint: str | None) -> None:
+        self.cluster = cluster
+        self.log_dir = log_dir
+        self.gcs_endpoint = gcs_endpoint
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.starts = 0
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / f"operator-{self.starts}.log"
+
+    def start(self, *extra: str, gcs_endpoint: str | None = None, gcs_timeout: float = 5) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        self.starts += 1
+        self.port = free_port()
+        env = {
+            **os.environ,
+            "NO_PROXY": LOOPBACK_NO_PROXY,
+            "no_proxy": LOOPBACK_NO_PROXY,
+            # google-auth would probe the GCE metadata server (off-loopback) without this.
+            "NO_GCE_CHECK": "true",
+        }
+        endpoint = gcs_endpoint or self.gcs_endpoint
+        if endpoint:
+            env["STORAGE_EMULATOR_HOST"] = endpoint
+        cmd = [
+            sys.executable,
+            "-m",
+            "strata_operator",
+            "--kubeconfig",
+            str(self.cluster.kubeconfig),
+            "--liveness",
+            f"http://127.0.0.1:{self.port}/healthz",
+            "--dependency-retry",
+            "1",
+            "--gcs-timeout",
+            str(gcs_timeout),
+            "--verbose",
+            *extra,
+        ]
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        wait_for("the operator's liveness endpoint", self.healthy)
+
+    def healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            pytest.fail(f"operator exited with {self.proc.returncode}:\n{self.tail()}")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as the kernel's OOM killer or a node failure would."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> int | None:
+        """SIGTERM and wait (kopf exits gracefully); SIGKILL if it does not."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            pytest.fail(f"operator ignored SIGTERM:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def errors(self) -> list[str]:
+        """Tracebacks in the log other than kopf's reports of handler errors we raise."""
+        text = self.log.read_text(errors="replace")
+        return [line for line in text.splitlines() if line.startswith("Traceback")]
+
+
+@pytest.fixture(scope="module")
+def crd(k8s_cluster: LocalCluster) -> None:
+    k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+
+    def established() -> bool:
+        got = k8s_cluster.request(
+            f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{api.PLURAL}.{api.GROUP}"
+        )
+        conds = (got.get("status") or {}).get("conditions") or []
+        return any(x["type"] == "Established" and x["status"] == "True" for x in conds)
+
+    wait_for("the CRD to be Established", established)
+
+
+@pytest.fixture(scope="module")
+def kube(k8s_cluster: LocalCluster) -> Iterator[Any]:
+    api_client = k8s_cluster.api_client()
+    try:
+        yield api_client
+    finally:
+        api_client.close()
+
+
+@pytest.fixture
+def operator(
+    k8s_cluster: LocalCluster, crd: None, gcs_emulator: Any, tmp_path: Path
+) -> Iterator[Operator]:
+    op = Operator(k8s_cluster, tmp_path, gcs_emulator.endpoint)
+    op.start()
+    try:
+        yield op
+    finally:
+        code = op.stop()
+        assert code == 0, f"operator did not exit cleanly ({code}):\n{op.tail()}"
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def create_policy(kube: Any, body: Obj, *, strict: bool = True) -> Obj:
+    return client.CustomObjectsApi(kube).create_namespaced_custom_object(  # type: ignore[no-any-return]
+        api.GROUP,
+        api.VERSION,
+        body["metadata"]["namespace"],
+        api.PLURAL,
+        body,
+        field_validation="Strict" if strict else "Warn",
+    )
+
+
+def get_policy(kube: Any, namespace: str, name: str) -> Obj:
+    return client.CustomObjectsApi(kube).get_namespaced_custom_object(  # type: ignore[no-any-return]
+        api.GROUP, api.VERSION, namespace, api.PLURAL, name
+    )
+
+
+def patch_policy(kube: Any, namespace: str, name: str, patch: Obj) -> Obj:
+    return client.CustomObjectsApi(kube).patch_namespaced_custom_object(  # type: ignore[no-any-return]
+        api.GROUP,
+        api.VERSION,
+        namespace,
+        api.PLURAL,
+        name,
+        patch,
+        _content_type="application/merge-patch+json",
+    )
+
+
+def condition(policy: Obj, type_: str) -> Obj | None:
+    found = c.find((policy.get("status") or {}).get("conditions") or [], type_)
+    return dict(found) if found is not None else None
+
+
+def wait_ready(
+    kube: Any, namespace: str, name: str, status: str = "True", generation: int | None = None
+) -> Obj:
+    def probe() -> Obj | None:
+        policy = get_policy(kube, namespace, name)
+        ready = condition(policy, c.READY)
+        gen = generation or policy["metadata"]["generation"]
+        if (
+            ready is not None
+            and ready["status"] == status
+            and policy["status"].get("observedGeneration") == gen
+        ):
+            return policy
+        return None
+
+    return wait_for(f"{namespace}/{name} Ready={status}", probe)  # type: ignore[no-any-return]
+
+
+def create_pvc(kube: Any, namespace: str, name: str, mode: str = "ReadWriteMany") -> None:
+    client.CoreV1Api(kube).create_namespaced_persistent_volume_claim(
+        namespace,
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name},
+            "spec": {
+                "accessModes": [mode],
+                "resources": {"requests": {"storage": "1Gi"}},
+                "storageClassName": "",
+            },
+        },
+    )
+
+
+def events_for(kube: Any, namespace: str, name: str) -> list[Obj]:
+    raw = client.CoreV1Api(kube).list_namespaced_event(
+        namespace,
+        field_selector=f"involvedObject.name={name}",
+        _preload_content=False,
+    )
+    return list(json.loads(raw.data)["items"])
+
+
+def namespace_gone(kube: Any, name: str) -> bool:
+    try:
+        client.CoreV1Api(kube).read_namespace(name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return True
+        raise
+    return False
+
+
+def new_namespace(kube: Any, labels: dict[str, str] | None = None) -> str:
+    name = f"ckpol-{uuid.uuid4().hex[:8]}"
+    client.CoreV1Api(kube).create_namespace(
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": name, "labels": labels or {}},
+        }
+    )
+    return name
+
+
+def assert_no_strata_finalizer_or_status_litter(policy: Obj) -> None:
+    meta = policy["metadata"]
+    assert not [f for f in meta.get("finalizers") or [] if "strata" in f or "kopf" in f]
+    for key in meta.get("annotations") or {}:
+        assert not key.startswith("kopf.zalando.org"), key
+    assert set(policy.get("status") or {}) <= {
+        "observedGeneration",
+        "conditions",
+        "jobs",
+        "newestCompleteStep",
+    }
+
+
+# --- tests ------------------------------------------------------------------------------------
+
+
+def test_valid_policies_become_ready_with_the_expected_status(
+    operator: Operator, kube: Any, k8s_namespace: str, gcs_bucket: str, k8s_cluster: LocalCluster
+) -> None:
+    ns = k8s_namespace
+    create_pvc(kube, ns, "ckpt")
+    full = (
+        PolicyBuilder("full", ns)
+        .pvc("ckpt", steps=None, every={"steps": 100, "duration": "10m"})
+        .gcs(gcs_bucket, steps=None, every={"steps": 1000, "duration": "1h"}, prefix="runs")
+        .restore(order=["ram", "pvc", "gcs"])
+    )
+    create_policy(kube, full.obj())
+    create_policy(kube, PolicyBuilder("ram-only", ns).obj())
+
+    policy = wait_ready(kube, ns, "full")
+    ready, degraded = condition(policy, c.READY), condition(policy, c.DEGRADED)
+    assert ready is not None and degraded is not None
+    assert (ready["reason"], ready["observedGeneration"]) == (c.REASON_RECONCILED, 1)
+    assert "tiers: ram, pvc, gcs" in ready["message"]
+    assert (degraded["status"], degraded["reason"]) == ("False", c.REASON_AS_EXPECTED)
+    assert policy["status"]["observedGeneration"] == 1
+    # apiserver defaults from the CRD
+    assert policy["spec"]["tiers"]["ram"]["medium"] == "Memory"
+    assert policy["spec"]["tiers"]["pvc"]["keep"] == 2
+    assert policy["spec"]["restore"]["verify"] is True
+    assert_no_strata_finalizer_or_status_litter(policy)
+    assert any(k.startswith("strata.dev/") for k in policy["metadata"]["annotations"])
+
+    ram_only = wait_ready(kube, ns, "ram-only")
+    assert "tiers: ram" in (condition(ram_only, c.READY) or {})["message"]
+
+    # Events are posted after the status patch: the Ready event exists once Ready is set.
+    events = wait_for(
+        "the Reconciled event",
+        lambda: [e for e in events_for(kube, ns, "full") if e["reason"] == "Reconciled"],
+    )
+    assert events[0]["type"] == "Normal"
+
+    table = k8s_cluster.kubectl("get", "ckpol", "-n", ns)
+    assert table.split("\n")[0].split() == ["NAME", "READY", "RAM", "PVC", "GCS", "AGE"]
+    assert "full" in table and "True" in table
+    assert "ram-only" in k8s_cluster.kubectl("get", "strata", "-n", ns)
+
+
+CASES = list(invalid_policies())
+
+
+@pytest.fixture(scope="class")
+def invalid_ns(kube: Any, crd: None) -> Iterator[str]:
+    name = new_namespace(kube)
+    yield name
+    client.CoreV1Api(kube).delete_namespace(name)
+
+
+@pytest.fixture(scope="class")
+def class_operator(
+    k8s_cluster: LocalCluster,
+    crd: None,
+    gcs_emulator: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Operator]:
+    op = Operator(k8s_cluster, tmp_path_factory.mktemp("operator"), gcs_emulator.endpoint)
+    op.start()
+    yield op
+    op.stop()
+
+
+class TestInvalidPolicies:
+    """Generated invalid policies (tests/fixtures/policies.py), one operator for all of them."""
+
+    @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+    def test_rejected_by_the_apiserver_with_a_message(
+        self, case: InvalidCase, kube: Any, invalid_ns: str, class_operator: Operator
+    ) -> None:
+        body = {
+            "apiVersion": api.API_VERSION,
+            "kind": api.KIND,
+            "metadata": {"name": f"bad-{uuid.uuid4().hex[:8]}", "namespace": invalid_ns},
+            "spec": case.spec,
+        }
+        with pytest.raises(ApiException) as err:
+            create_policy(kube, body)
+        assert err.value.status in (400, 422), err.value.body
+        message = json.loads(err.value.body)["message"]
+        assert case.expect.lower() in message.lower(), message
+        assert class_operator.alive(), class_operator.tail()
+
+    def test_unknown_fields_kubectl_rejects_and_lenient_clients_lose(
+        self, kube: Any, k8s_cluster: LocalCluster, invalid_ns: str
+    ) -> None:
+        """kubectl validates strictly by default; a client asking for Warn gets the field
+        pruned (silently losing the setting), which is why the docs say to use kubectl."""
+        body = PolicyBuilder("typo", invalid_ns).ram(sizeLimt="1Gi").obj()
+        with pytest.raises(ClusterError) as err:
+            k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+        assert 'unknown field "spec.tiers.ram.sizeLimt"' in str(err.value)
+        stored = create_policy(kube, body, strict=False)
+        assert "sizeLimt" not in stored["spec"]["tiers"]["ram"]
+
+    def test_operator_survives_all_invalid_input(
+        self, class_operator: Operator, kube: Any, invalid_ns: str
+    ) -> None:
+        """After every rejected request the operator still reconciles a valid policy."""
+        create_policy(kube, PolicyBuilder("after-invalid", invalid_ns).obj())
+        wait_ready(kube, invalid_ns, "after-invalid")
+        wait_ready(kube, invalid_ns, "typo")
+        assert class_operator.alive() and class_operator.errors() == []
+
+
+def test_policies_the_schema_cannot_judge_are_not_ready_with_what_to_fix(
+    operator: Operator, kube: Any, gcs_bucket: str
+) -> None:
+    ns = new_namespace(kube)
+    restricted = new_namespace(kube, {"pod-security.kubernetes.io/enforce": "restricted"})
+    try:
+        create_pvc(kube, ns, "rwo", mode="ReadWriteOnce")
+        cases: list[tuple[Obj, str, str]] = [
+            (PolicyBuilder("no-pvc", ns).pvc("missing").obj(), c.REASON_PVC_NOT_FOUND, "'missing'"),
+            (
+                PolicyBuilder("no-bucket", ns).gcs("strata-no-such-bucket").obj(),
+                c.REASON_BUCKET_NOT_FOUND,
+                "gs://strata-no-such-bucket",
+            ),
+            (
+                PolicyBuilder("no-secret", ns)
+                .gcs(gcs_bucket, credentials={"type": "SecretRef", "secretRef": {"name": "sa"}})
+                .obj(),
+                c.REASON_SECRET_NOT_FOUND,
+                "Secret 'sa'",
+            ),
+            (
+                PolicyBuilder("host-path", restricted).ram(medium="HostPath").obj(),
+                c.REASON_HOST_PATH_FORBIDDEN,
+                "medium: Memory",
+            ),
+        ]
+        for body, _, _ in cases:
+            create_policy(kube, body)
+        for body, reason, fix in cases:
+            meta = body["metadata"]
+            policy = wait_ready(kube, meta["namespace"], meta["name"], status="False")
+            ready = condition(policy, c.READY)
+            assert ready is not None and ready["reason"] == reason, ready
+            assert fix in ready["message"]
+            warnings = wait_for(
+                f"a Warning event for {meta['name']}",
+                lambda m=meta: [
+                    e for e in events_for(kube, m["namespace"], m["name"]) if e["type"] == "Warning"
+                ],
+            )
+            assert any(e["reason"] == reason for e in warnings)
+
+        # A PVC that is not ReadWriteMany works for one pod: Ready, but Degraded says why.
+        create_policy(kube, PolicyBuilder("rwo", ns).pvc("rwo").obj())
+        policy = wait_ready(kube, ns, "rwo")
+        degraded = condition(policy, c.DEGRADED)
+        assert degraded is not None and degraded["reason"] == c.REASON_PVC_NOT_SHARED
+
+        # Creating the missing PVC fixes the policy without touching it.
+        create_pvc(kube, ns, "missing")
+        policy = wait_ready(kube, ns, "no-pvc")
+        assert policy["metadata"]["generation"] == 1
+        assert operator.alive()
+    finally:
+        client.CoreV1Api(kube).delete_namespace(ns)
+        client.CoreV1Api(kube).delete_namespace(restricted)
+
+
+def test_update_bumps_observed_generation_and_conditions(
+    operator: Operator, kube: Any, k8s_namespace: str
+) -> None:
+    ns = k8s_namespace
+    create_pvc(kube, ns, "ckpt")
+    create_policy(kube, PolicyBuilder("p", ns).pvc("ckpt").obj())
+    first = condition(wait_ready(kube, ns, "p", generation=1), c.READY)
+    assert first is not None
+
+    patch_policy(kube, ns, "p", {"spec": {"tiers": {"pvc": {"claimName": "other"}}}})
+    broken = condition(wait_ready(kube, ns, "p", status="False", generation=2), c.READY)
+    assert broken is not None and broken["reason"] == c.REASON_PVC_NOT_FOUND
+    assert broken["observedGeneration"] == 2
+    assert broken["lastTransitionTime"] >= first["lastTransitionTime"]
+
+    patch_policy(kube, ns, "p", {"spec": {"tiers": {"pvc": {"claimName": "ckpt"}}}})
+    fixed = condition(wait_ready(kube, ns, "p", generation=3), c.READY)
+    assert fixed is not None and fixed["reason"] == c.REASON_RECONCILED
+
+    # A change that keeps the policy Ready moves observedGeneration, not lastTransitionTime.
+    patch_policy(kube, ns, "p", {"spec": {"tiers": {"pvc": {"keep": 5}}}})
+    same = condition(wait_ready(kube, ns, "p", generation=4), c.READY)
+    assert same is not None and same["observedGeneration"] == 4
+    assert same["lastTransitionTime"] == fixed["lastTransitionTime"]
+
+
+class Blackhole:
+    """A loopback TCP server that accepts requests and never answers (a hung GCS endpoint)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.requests = threading.Event()
+        self.conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            with contextlib.suppress(OSError):
+                if conn.recv(4096):
+                    self.requests.set()
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        self.sock.close()
+
+
+def test_operator_killed_mid_reconcile_converges_after_restart(
+    k8s_cluster: LocalCluster,
+    crd: None,
+    kube: Any,
+    k8s_namespace: str,
+    gcs_emulator: Any,
+    gcs_bucket: str,
+    tmp_path: Path,
+) -> None:
+    ns = k8s_namespace
+    hole = Blackhole()
+    op = Operator(k8s_cluster, tmp_path, gcs_emulator.endpoint)
+    try:
+        # The bucket check hangs on the blackhole: the reconcile is in flight when we kill.
+        op.start(gcs_endpoint=hole.endpoint, gcs_timeout=120)
+        create_policy(kube, PolicyBuilder("p", ns).gcs(gcs_bucket).obj())
+        wait_for("the operator's bucket check to reach GCS", hole.requests.is_set)
+        op.kill()
+        policy = get_policy(kube, ns, "p")
+        assert condition(policy, c.READY) is None, "the reconcile had not finished"
+
+        op.start()  # the real emulator this time
+        policy = wait_ready(kube, ns, "p", generation=1)
+        assert (condition(policy, c.READY) or {})["reason"] == c.REASON_RECONCILED
+        assert_no_strata_finalizer_or_status_litter(policy)
+        assert op.errors() == []
+    finally:
+        op.stop()
+        hole.close()
+
+
+@pytest.mark.parametrize("operator_state", ["running", "stopped"])
+def test_c13_namespace_with_a_policy_terminates_with_the_operator_running_or_stopped(
+    operator_state: str,
+    k8s_cluster: LocalCluster,
+    crd: None,
+    kube: Any,
+    gcs_emulator: Any,
+    tmp_path: Path,
+) -> None:
+    ns = new_namespace(kube)
+    create_pvc(kube, ns, "ckpt")
+    op = Operator(k8s_cluster, tmp_path, gcs_emulator.endpoint)
+    op.start()
+    try:
+        create_policy(kube, PolicyBuilder("p", ns).pvc("ckpt").obj())
+        create_policy(kube, PolicyBuilder("broken", ns).pvc("missing").obj())
+        policy = wait_ready(kube, ns, "p")
+        wait_ready(kube, ns, "broken", status="False")
+        assert_no_strata_finalizer_or_status_litter(policy)
+        if operator_state == "stopped":
+            op.stop()
+        client.CoreV1Api(kube).delete_namespace(ns)
+        wait_for(f"namespace {ns} to terminate", lambda: namespace_gone(kube, ns), timeout=90)
+        if operator_state == "running":
+            assert op.alive() and op.errors() == []
+    finally:
+        op.stop()
