@@ -1,0 +1,480 @@
+"""``strata sidecar`` as a real process: real /dev/shm RAM tier, a PVC directory, fake-gcs-server.
+
+Covers start-up pruning (C-12), staging with corrupted nearer copies (C-04), the SIGTERM flush
+(C-14), SIGKILL during promotion, reports over HTTPS with a bearer token, the /metrics endpoint
+parsed with prometheus_client, restore of a recreated pod through the sidecar (C-06), bad
+configuration (exit 2 naming the setting), the RAM size limit of the slots API, the janitor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from strata.agent.api_client import AgentClient, connect
+from strata.agent.janitor import HEARTBEAT_NAME
+from strata.config import SidecarConfig
+from strata.reports import REPORT_PATH, SidecarReport
+from strata.restore import StageError
+from strata.tiers.base import TierError, TierFull
+from strata.tiers.gcs import GcsTier
+from strata.tiers.posix import PosixTier
+from strata.tiers.ram import RamTier
+from tests.fixtures.gcs import GcsEmulator
+from tests.fixtures.sidecar import (
+    ReportReceiver,
+    SidecarProcess,
+    flip_byte,
+    free_port,
+    write_ram_shard,
+)
+
+pytestmark = pytest.mark.integration
+
+JOB = "ns.train"
+Start = Callable[..., SidecarProcess]
+
+
+def payload(step: int, rank: int = 0, n: int = 40_000) -> bytes:
+    return (f"<{step}:{rank}>".encode() * (n // 6 + 1))[:n]
+
+
+def config_for(ram_dir: Path, pvc_dir: Path | None = None, **extra: Any) -> SidecarConfig:
+    raw: dict[str, Any] = {
+        "job_id": JOB,
+        "ram": {"path": str(ram_dir), "every": {"steps": 10}, "keep": 1},
+        "metrics_port": free_port(),
+        "metrics_host": "127.0.0.1",
+        "writer_id": "pod-a",
+        "termination_grace_seconds": 30,
+    }
+    if pvc_dir is not None:
+        raw["pvc"] = {"path": str(pvc_dir), "every": {"steps": 50}, "keep": 2}
+    for key, value in extra.items():
+        raw[key] = value
+    return SidecarConfig.parse(raw)
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def committed_bytes(tier: PosixTier, step: int, rank: int = 0) -> bytes:
+    m = tier.get_manifest(JOB, step, rank)
+    tier.verify_file(tier.data_path(JOB, step, rank), m)
+    return tier.data_path(JOB, step, rank).read_bytes()[: m.data_nbytes]
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+# -- start-up ----------------------------------------------------------------------------------------
+
+
+def test_c12_start_up_prunes_ram_to_the_newest_committed_step_before_becoming_ready(
+    shm_dir: Path, sidecar_proc: Start
+) -> None:
+    ram = RamTier(shm_dir, keep=1)
+    for step in (10, 20):
+        write_ram_shard(ram, JOB, step, 0, payload(step))
+    # A save killed half-way (data linked, no manifest) and a stray temporary manifest (C-12).
+    write_ram_shard(ram, JOB, 30, 0, payload(30), verified=False)
+    ram.manifest_path(JOB, 30, 0).unlink()
+    (ram.step_dir(JOB, 20) / "rank-00000.manifest.tmp-1-abc").write_bytes(b"{")
+    # Another job's data in the same (hostPath) RAM directory must not be touched.
+    other = RamTier(shm_dir, keep=1)
+    write_ram_shard(other, "ns.other", 5, 0, payload(5))
+    write_ram_shard(other, "ns.other", 6, 0, payload(6))
+
+    side = sidecar_proc(config_for(shm_dir))
+    assert sorted(ram.list_steps(JOB)) == [20]
+    assert committed_bytes(ram, 20) == payload(20)
+    assert not list(ram.step_dir(JOB, 20).glob("*.tmp-*"))
+    assert sorted(ram.list_steps("ns.other")) == [5, 6]
+    assert (shm_dir / JOB / HEARTBEAT_NAME).exists()
+    events = [e.get("event") for e in side.log_events()]
+    assert events.index("ram_pruned") < events.index("ready")
+
+
+def test_bad_configuration_exits_2_naming_the_setting(shm_dir: Path, sidecar_proc: Start) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+    for config, words in (
+        ({"job_id": JOB, "ram": {"path": str(shm_dir), "keep": 0}}, "ram.keep"),
+        ({"job_id": JOB, "ram": {"path": str(shm_dir)}, "colour": "red"}, "colour"),
+        (
+            {
+                "job_id": JOB,
+                "ram": {"path": str(shm_dir), "every": {"steps": 10}},
+                "pvc": {"path": str(shm_dir / "p"), "every": {"steps": 15}},
+            },
+            "pvc.every.steps=15",
+        ),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "strata.cli", "sidecar"],
+            env={**env, "STRATA_CONFIG": json.dumps(config)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert words in proc.stderr
+
+
+# -- staging (C-04) and restore of a recreated pod (C-06) ---------------------------------------------
+
+
+@pytest.fixture
+def three_tiers(
+    shm_dir: Path, tmp_path: Path, gcs_emulator: GcsEmulator, gcs_bucket: str
+) -> tuple[SidecarConfig, RamTier, PosixTier, GcsTier]:
+    gcs_cfg = gcs_emulator.tier_config(gcs_bucket, every={"steps": 100}, keep=2)
+    config = config_for(shm_dir, tmp_path / "pvc", gcs=gcs_cfg.model_dump(mode="json"))
+    ram = RamTier(shm_dir, keep=1)
+    pvc = PosixTier(tmp_path / "pvc")
+    gcs = GcsTier(gcs_cfg, writer_id="pod-a", client=gcs_emulator.client())
+    return config, ram, pvc, gcs
+
+
+def put_everywhere(ram: RamTier, pvc: PosixTier, gcs: GcsTier, step: int) -> None:
+    m = write_ram_shard(ram, JOB, step, 0, payload(step))
+    pvc.put_shard(JOB, step, 0, ram.data_path(JOB, step, 0), m)
+    gcs.put_shard(JOB, step, 0, ram.data_path(JOB, step, 0), m)
+
+
+def test_c04_staging_falls_back_past_corrupt_copies_and_quarantines_them(
+    three_tiers: tuple[SidecarConfig, RamTier, PosixTier, GcsTier], sidecar_proc: Start
+) -> None:
+    config, ram, pvc, gcs = three_tiers
+    put_everywhere(ram, pvc, gcs, 100)
+    side = sidecar_proc(config)
+    agent = connect(config.socket)
+    assert agent is not None
+
+    # 1. RAM hit.
+    res = agent.stage(JOB, 100, 0, 1)
+    assert res.tier == "ram" and res.path.read_bytes()[: res.nbytes] == payload(100)
+    # 2. RAM copy corrupt -> PVC serves, RAM copy quarantined.
+    flip_byte(ram.data_path(JOB, 100, 0))
+    res = agent.stage(JOB, 100, 0, 1)
+    assert res.tier == "pvc"
+    assert any(s.startswith("ram:") and "quarantined" in s for s in res.skipped)
+    assert res.path.read_bytes()[: res.nbytes] == payload(100)
+    # 3. RAM (restaged copy) and PVC corrupt -> GCS serves.
+    flip_byte(ram.data_path(JOB, 100, 0))
+    flip_byte(pvc.data_path(JOB, 100, 0))
+    res = agent.stage(JOB, 100, 0, 1)
+    assert res.tier == "gcs"
+    assert [s.split(":")[0] for s in res.skipped if "quarantined" in s] == ["ram", "pvc"]
+    assert res.path.read_bytes()[: res.nbytes] == payload(100)
+    assert ram.data_path(JOB, 100, 0).read_bytes()[: res.nbytes] == payload(100)
+    # The bad PVC copy is never retried: it is no longer committed.
+    listing = pvc.list_steps(JOB).get(100)
+    assert listing is None or 0 not in listing.committed_ranks
+    samples = metric_samples(side.scrape())
+    assert samples[("strata_checksum_mismatches_total", (("tier", "ram"),))] == 2
+    assert samples[("strata_checksum_mismatches_total", (("tier", "pvc"),))] == 1
+    assert samples[("strata_restore_total", (("outcome", "staged"), ("tier", "gcs")))] == 1
+
+
+def test_c06_recreated_pod_restores_from_the_pvc_through_the_sidecar(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    torch = pytest.importorskip("torch")
+    from strata.client import Checkpointer
+
+    pvc_root = tmp_path / "pvc"
+    config = config_for(shm_dir, pvc_root)
+    side = sidecar_proc(config)
+    model = torch.nn.Linear(8, 4)
+    state = {"model": model.state_dict(), "step": 0}
+    with Checkpointer(config, rank=0, world_size=1) as ckpt:
+        assert isinstance(ckpt.stager, AgentClient)  # auto-detected sidecar
+        state["step"] = 50
+        assert ckpt.save(50, state)
+        ckpt.wait()
+    wait_until(lambda: 50 in PosixTier(pvc_root).complete_steps(JOB), what="step 50 on the PVC")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    side.kill()
+
+    # The pod is recreated: empty RAM tier, a new sidecar; only the PVC holds step 50.
+    for child in shm_dir.iterdir():
+        subprocess.run(["rm", "-rf", str(child)], check=True)
+    side2 = sidecar_proc(config)
+    fresh = torch.nn.Linear(8, 4)
+    target = {"model": fresh.state_dict(), "step": -1}
+    with Checkpointer(config, rank=0, world_size=1) as ckpt:
+        assert isinstance(ckpt.stager, AgentClient)
+        result = ckpt.restore(target)
+    assert result.step == 50 and result.tier == "pvc"
+    assert target["step"] == 50
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, saved[k])
+    wait_until(
+        lambda: (
+            ("strata_restore_total", (("outcome", "staged"), ("tier", "pvc")))
+            in metric_samples(side2.scrape())
+        ),
+        what="restore counted",
+    )
+
+
+def test_c06_no_tier_holds_a_step_is_a_clear_error_never_a_silent_step_0(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    torch = pytest.importorskip("torch")
+    from strata.client import Checkpointer, RestoreError
+
+    config = config_for(shm_dir, tmp_path / "pvc")
+    sidecar_proc(config)
+    agent = connect(config.socket)
+    assert agent is not None
+    with pytest.raises(StageError, match="no tier could serve rank 0 of step 7"):
+        agent.stage(JOB, 7, 0, 1)
+    with (
+        Checkpointer(config, rank=0, world_size=1) as ckpt,
+        pytest.raises(RestoreError, match="no restorable checkpoint"),
+    ):
+        ckpt.restore({"w": torch.zeros(3)})
+
+
+# -- SIGTERM and SIGKILL ------------------------------------------------------------------------------
+
+
+def test_c14_sigterm_flushes_the_newest_ram_step_to_the_pvc_and_exits_0(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    pvc_root = tmp_path / "pvc"
+    config = config_for(shm_dir, pvc_root)
+    side = sidecar_proc(config)
+    agent = connect(config.socket)
+    assert agent is not None
+    ram, pvc = RamTier(shm_dir, keep=1), PosixTier(pvc_root)
+    write_ram_shard(ram, JOB, 50, 0, payload(50), provider=agent)
+    wait_until(lambda: pvc.complete_steps(JOB) == [50], what="step 50 promoted")
+    # Step 70 is not due on the PVC (every 50) and its checksum pass has not run yet.
+    write_ram_shard(ram, JOB, 70, 0, payload(70), provider=agent, verified=False)
+    assert side.terminate() == 0
+    assert pvc.complete_steps(JOB) == [50, 70]
+    assert committed_bytes(pvc, 70) == payload(70)
+    flush = [e for e in side.log_events() if e.get("event") == "flush"]
+    assert flush and flush[-1]["ok"] is True and flush[-1]["step"] == 70
+
+
+def test_sigkill_during_promotion_never_loses_a_committed_durable_step(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    pvc_root = tmp_path / "pvc"
+    config = config_for(
+        shm_dir, None, pvc={"path": str(pvc_root), "every": {"steps": 10}, "keep": 2}
+    )
+    ram, pvc = RamTier(shm_dir, keep=1), PosixTier(pvc_root)
+    big = 8 * 1024 * 1024
+    rng = random.Random(7)
+    committed: dict[int, bytes] = {}
+    for i, step in enumerate(range(10, 70, 10)):
+        data = payload(step, n=big)
+        write_ram_shard(ram, JOB, step, 0, data, chunk_size=1024 * 1024)
+        side = sidecar_proc(config)
+        time.sleep(rng.uniform(0.0, 0.15) if i % 2 else 0.0)
+        side.kill()  # SIGKILL at a random point of start-up / promotion
+        # Invariant: every step committed on the PVC verifies, and what was committed stays
+        # committed unless retention removed it for a newer complete step.
+        complete = pvc.complete_steps(JOB)
+        for s in complete:
+            assert committed_bytes(pvc, s) == payload(s, n=big)
+            committed[s] = b""
+        newest = max(committed, default=None)
+        if newest is not None:
+            assert newest in complete, f"committed step {newest} lost after SIGKILL"
+    # The next sidecar completes the promotion of the newest RAM step.
+    side = sidecar_proc(config)
+    wait_until(lambda: 60 in pvc.complete_steps(JOB), what="step 60 promoted after restart")
+    assert committed_bytes(pvc, 60) == payload(60, n=big)
+    assert side.terminate() == 0
+
+
+# -- reports and metrics -------------------------------------------------------------------------------
+
+
+def test_reports_reach_an_https_receiver_with_the_rotating_bearer_token_and_metrics_parse(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start, report_receiver: ReportReceiver
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("token-one\n")
+    pvc_root = tmp_path / "pvc"
+    config = config_for(
+        shm_dir,
+        pvc_root,
+        policy="fast",
+        namespace="ns",
+        pod_name="train-0",
+        report={
+            "endpoint": report_receiver.url,
+            "token_path": str(token),
+            "ca_path": str(report_receiver.ca_path),
+        },
+    )
+    side = sidecar_proc(config)
+    agent = connect(config.socket)
+    assert agent is not None
+    ram = RamTier(shm_dir, keep=1)
+    write_ram_shard(ram, JOB, 50, 0, payload(50), provider=agent)
+    agent.report(
+        {"job_id": JOB, "rank": 0, "kind": "save", "step": 50, "ok": True, "stall_seconds": 0.004}
+    )
+
+    first = report_receiver.wait_for(
+        lambda r: any(p["step"] == 50 for p in r["json"].get("promotions", []))
+    )
+    assert first["path"] == REPORT_PATH
+    assert first["authorization"] == "Bearer token-one"
+    report = SidecarReport.model_validate(first["json"])
+    assert report.policy == "fast" and report.pod_name == "train-0" and report.job_id == JOB
+    assert report.promotions[0].tier == "pvc" and report.promotions[0].bytes == len(payload(50))
+
+    # The projected token rotates: the next report carries the new one.
+    token.write_text("token-two\n")
+    agent.report(
+        {
+            "job_id": JOB,
+            "rank": 0,
+            "kind": "restore",
+            "step": 50,
+            "tier": "ram",
+            "outcome": "restored",
+            "seconds": 0.1,
+            "nbytes": 10,
+        }
+    )
+    second = report_receiver.wait_for(lambda r: bool(r["json"].get("restores")))
+    assert second["authorization"] == "Bearer token-two"
+    assert SidecarReport.model_validate(second["json"]).tiers["pvc"].newest_complete_step == 50
+
+    text = side.scrape()
+    samples = metric_samples(text)
+    assert samples[("strata_promotion_bytes_total", (("tier", "pvc"),))] == len(payload(50))
+    assert samples[("strata_last_committed_step", (("tier", "pvc"),))] == 50
+    assert samples[("strata_promotion_duration_seconds_count", (("tier", "pvc"),))] == 1
+    assert samples[("strata_save_stall_seconds_count", ())] == 1
+    assert samples[("strata_save_stall_seconds_sum", ())] == pytest.approx(0.004)
+    print(
+        "\n".join(
+            line
+            for line in text.splitlines()
+            if line.startswith("strata_") and "_created" not in line and "_bucket" not in line
+        )
+    )
+
+
+def test_report_delivery_retries_then_drops_without_blocking_promotion(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start, report_receiver: ReportReceiver
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("t")
+    report_receiver.status = 503
+    pvc_root = tmp_path / "pvc"
+    config = config_for(
+        shm_dir,
+        pvc_root,
+        policy="p",
+        namespace="ns",
+        pod_name="train-0",
+        report={
+            "endpoint": report_receiver.url,
+            "token_path": str(token),
+            "ca_path": str(report_receiver.ca_path),
+            "max_attempts": 2,
+        },
+    )
+    side = sidecar_proc(config)
+    agent = connect(config.socket)
+    assert agent is not None
+    write_ram_shard(RamTier(shm_dir, keep=1), JOB, 50, 0, payload(50), provider=agent)
+    wait_until(
+        lambda: PosixTier(pvc_root).complete_steps(JOB) == [50],
+        what="promotion despite a failing receiver",
+    )
+    wait_until(
+        lambda: metric_samples(side.scrape()).get(("strata_reports_dropped_total", ()), 0) >= 1,
+        what="a dropped report",
+    )
+    assert len(report_receiver.requests) >= 2  # retried before dropping
+
+
+# -- slots API --------------------------------------------------------------------------------------------
+
+
+def test_slots_are_allocated_by_the_sidecar_within_the_ram_size_limit(
+    shm_dir: Path, sidecar_proc: Start
+) -> None:
+    limit = 8 * 1024 * 1024
+    config = config_for(shm_dir, ram={"path": str(shm_dir), "keep": 1, "size_limit_bytes": limit})
+    sidecar_proc(config)
+    agent = connect(config.socket)
+    assert agent is not None
+    slot = agent.acquire_slot(JOB, 0, 3 * 1024 * 1024)
+    assert slot.parent == shm_dir / JOB / "slots" / "rank-00000"
+    assert os.stat(slot).st_blocks * 512 >= 3 * 1024 * 1024  # pre-allocated (pages charged)
+    with pytest.raises(TierFull, match=r"ram\.size_limit_bytes=8388608"):
+        agent.acquire_slot(JOB, 1, 3 * 1024 * 1024)
+    with pytest.raises(TierError, match=r"serves job 'ns\.train', not 'ns\.other'"):
+        agent.acquire_slot("ns.other", 0, 10)
+
+
+# -- janitor ------------------------------------------------------------------------------------------------
+
+
+def test_janitor_removes_only_stale_strata_job_directories(shm_dir: Path) -> None:
+    ram = RamTier(shm_dir, keep=1)
+    write_ram_shard(ram, "ns.live", 10, 0, payload(10))
+    write_ram_shard(ram, "ns.gone", 10, 0, payload(10))
+    for job in ("ns.live", "ns.gone"):
+        (shm_dir / job / HEARTBEAT_NAME).touch()
+    old = time.time() - 7200
+    os.utime(shm_dir / "ns.gone" / HEARTBEAT_NAME, (old, old))
+    (shm_dir / "not-strata").mkdir()
+    (shm_dir / "not-strata" / "precious.txt").write_text("keep me")
+    os.utime(shm_dir / "not-strata", (old, old))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata.cli",
+            "janitor",
+            "--root",
+            str(shm_dir),
+            "--grace-seconds",
+            "3600",
+            "--once",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert not (shm_dir / "ns.gone").exists()
+    assert sorted(ram.list_steps("ns.live")) == [10]
+    assert (shm_dir / "not-strata" / "precious.txt").read_text() == "keep me"
