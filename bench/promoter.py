@@ -1,10 +1,11 @@
 """Background promoter for the interference figure: promote one shard to a directory, in a loop.
 
-``python -m bench.promoter --ready FILE --src DATA --manifest MANIFEST --dst DIR [--mode M]``
+``python -m bench.promoter --ready FILE --ram RAM_ROOT --src DATA --dst DIR [--mode M]``
 
-``--mode strata`` (default when Strata's tiers are importable) runs Strata's own promotion path
-(:func:`bench.strata_cases.promote_once`, the code the sidecar runs); ``--mode cfr`` is a plain
-``copy_file_range`` + fsync loop. The process touches ``FILE`` once it is ready, counts finished
+``--mode strata`` runs the sidecar's own promotion engine on the newest committed RAM step
+(:func:`bench.strata_cases.promote_once`); ``--mode cfr`` is a plain
+in-kernel copy (``sendfile``; copy_file_range refuses tmpfs -> disk) + fsync loop.
+The process touches ``FILE`` once it is ready, counts finished
 promotions into ``FILE.count`` and exits on SIGTERM after the promotion in flight.
 """
 
@@ -26,7 +27,8 @@ def _cfr_once(src: Path, dst_dir: Path) -> None:
     try:
         done = 0
         while done < size:
-            n = os.copy_file_range(fin, fout, size - done, done, done)
+            # tmpfs -> disk is cross-filesystem: copy_file_range refuses it (EXDEV); sendfile works.
+            n = os.sendfile(fout, fin, done, size - done)
             if n == 0:
                 break
             done += n
@@ -40,10 +42,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--ready", type=Path, required=True)
     ap.add_argument("--src", type=Path, required=True, help="committed RAM shard data file")
-    ap.add_argument("--manifest", type=Path, help="its manifest (strata mode)")
+    ap.add_argument(
+        "--ram", type=Path, help="RAM tier root holding the committed step (strata mode)"
+    )
     ap.add_argument("--dst", type=Path, required=True, help="PVC-like directory")
     ap.add_argument("--mode", choices=["strata", "cfr"], default="strata")
+    ap.add_argument(
+        "--priority",
+        choices=["normal", "idle"],
+        default="normal",
+        help="idle: SCHED_IDLE CPU class and the idle I/O class (what a sidecar can ask for)",
+    )
     args = ap.parse_args(argv)
+    if args.priority == "idle":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        # ioprio_set(IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << 13): no wrapper in os.
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(251, 1, 0, 3 << 13)  # SYS_ioprio_set on x86_64
 
     stop = False
 
@@ -56,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.strata_cases import promote_once
 
         def once() -> None:
-            promote_once(args.src, args.manifest, args.dst)
+            promote_once(args.ram, args.dst)
     else:
 
         def once() -> None:

@@ -135,6 +135,7 @@ class Bench:
             for threads, name in ((n, "strata_save"), (1, "strata_save_1t")):
                 s = sc.StrataSaver(self.shm / f"ram-{w.name}-{threads}t", threads)
                 savers.append(s)
+                self.sections[f"one-time {name} {w.name}"] = s.prime(w.state)
                 cases.append(
                     Case(
                         name,
@@ -237,20 +238,28 @@ class Bench:
             ),
             Case(
                 "strata_promote_pvc",
-                lambda: bl.timed_call(sc.promote_once, src_data, src_manifest, pvc),
+                lambda: bl.timed_call(sc.promote_once, self.saver.ram_dir, pvc),
                 clean,
                 clean,
-                "Strata PosixTier.put_shard (data, fsync, manifest last)",
+                "Strata PromotionEngine RAM -> PVC (lease, verify, copy, fsync, manifest, verify)",
+            ),
+            Case(
+                "strata_put_shard_pvc",
+                lambda: bl.timed_call(sc.put_shard_once, src_data, src_manifest, pvc),
+                clean,
+                clean,
+                "PosixTier.put_shard alone (verify source, copy, fsync, manifest)",
             ),
         ]
         res = self.rr(f"promote {w.name} RAM -> PVC dir {self.disk} (fsync)", cases, w.nbytes)
         base = fmin(self.med(res, "cp_fsync"), self.med(res, "sendfile_fsync"))
         self.ratios["promote_pvc_over_cp"] = self.med(res, "strata_promote_pvc") / base
+        self.ratios["put_shard_pvc_over_cp"] = self.med(res, "strata_put_shard_pvc") / base
 
     # -- restore --------------------------------------------------------------------------------
 
     def restore_section(self, w: Workload) -> None:
-        src_data, src_manifest = self.saver.committed_shard()
+        self.saver.committed_shard()
         d = self.shm / "restore"
         d.mkdir(exist_ok=True)
         torch_file = d / "torch.pt"
@@ -259,7 +268,7 @@ class Bench:
         floor.memmove(self.threads)
         n = self.threads
         pvc = self.disk / "pvc-restore"
-        sc.promote_once(src_data, src_manifest, pvc)
+        sc.promote_once(self.saver.ram_dir, pvc)
         disk_torch = self.disk / "torch.pt"
         shutil.copyfile(torch_file, disk_torch)
         bl.fsync_path(disk_torch)
@@ -371,18 +380,20 @@ class Bench:
     # -- interference ---------------------------------------------------------------------------
 
     def interference_section(self) -> None:
-        src_data, src_manifest = self.saver.committed_shard()
+        src_data, _ = self.saver.committed_shard()
         mode = "strata" if sc.unavailable() is None else "cfr"
         pvc = self.disk / "pvc-bg"
         bg_args = [
+            "--ram",
+            str(self.saver.ram_dir),
             "--src",
             str(src_data),
-            "--manifest",
-            str(src_manifest),
             "--dst",
             str(pvc),
             "--mode",
             mode,
+            "--priority",
+            self.args.promoter_priority,
         ]
         ready = self.shm / "promoter.ready"
         steps = self.args.interference_steps
@@ -573,6 +584,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=1.0,
         help="interference step length factor (1 = ~100 ms)",
+    )
+    ap.add_argument(
+        "--promoter-priority",
+        choices=["normal", "idle"],
+        default="normal",
+        help="CPU/IO class of the background promoter (idle: SCHED_IDLE + ionice idle)",
     )
     ap.add_argument("--skip-gcs", action="store_true")
     ap.add_argument("--shm-dir", default="/dev/shm")
