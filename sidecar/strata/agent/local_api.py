@@ -98,7 +98,7 @@ class LocalApi:
 
     def _job(self, request: dict[str, Any]) -> str:
         job = request.get("job_id")
-        if job != self.config.job_id:
+        if not isinstance(job, str) or job != self.config.job_id:
             raise ApiError(
                 403,
                 "wrong_job",

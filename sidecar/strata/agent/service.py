@@ -105,7 +105,9 @@ class Sidecar:
     # -- tiers ------------------------------------------------------------------------------------
 
     def restore_tiers(self) -> list[Tier]:
-        by_name: dict[str, Tier] = {"ram": self.ram, **self.durable}
+        by_name: dict[str, Tier] = {"ram": self.ram}
+        for name, tier in self.durable.items():
+            by_name[name] = tier
         return [by_name[t] for t in self.config.tiers_in_restore_order() if t in by_name]
 
     # -- events -> metrics and reports ------------------------------------------------------------
