@@ -92,6 +92,10 @@ def _fmt(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _whole(t: datetime) -> datetime:
+    return t.astimezone(UTC).replace(microsecond=0)
+
+
 def _parse_time(value: Any) -> datetime | None:
     if not value:
         return None
@@ -127,7 +131,8 @@ def fold_report(
     last_restore = old.get("lastRestore")
     old_restore_time = _parse_time((last_restore or {}).get("time"))
     for restore in sorted(report.restores, key=lambda r: r.time):
-        if old_restore_time is not None and restore.time <= old_restore_time:
+        # Stored times have whole seconds (metav1.Time style): compare at that precision.
+        if old_restore_time is not None and _whole(restore.time) <= old_restore_time:
             continue
         entry: dict[str, Any] = {"outcome": restore.outcome, "time": _fmt(restore.time)}
         if restore.tier is not None:
@@ -136,7 +141,7 @@ def fold_report(
             entry["step"] = restore.step
         entry["seconds"] = round(restore.seconds, 3)
         last_restore = entry
-        old_restore_time = restore.time
+        old_restore_time = _whole(restore.time)
         rank = "" if restore.rank is None else f" rank {restore.rank}"
         skipped = f"; skipped: {', '.join(restore.skipped)}" if restore.skipped else ""
         if restore.outcome == "restored":
@@ -169,12 +174,12 @@ def fold_report(
     last_error = old.get("lastError")
     old_error_time = _parse_time((last_error or {}).get("time"))
     for error in sorted(report.errors, key=lambda e: e.time):
-        if old_error_time is not None and error.time <= old_error_time:
+        if old_error_time is not None and _whole(error.time) <= old_error_time:
             continue
         last_error = {"message": error.message[:2048], "time": _fmt(error.time)}
         if error.tier is not None:
             last_error["tier"] = error.tier
-        old_error_time = error.time
+        old_error_time = _whole(error.time)
         part = f"tier {error.tier}" if error.tier else "sidecar"
         events.append(
             EventSpec("Warning", REASON_TIER_FAILED, f"{where}: {part} failed: {error.message}")
