@@ -117,7 +117,7 @@ def _train_step(model: Any, optim: Any, data: Any, gen: Any, batch: int = 16) ->
     optim.zero_grad(set_to_none=True)
     loss.backward()
     optim.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def _weights_digest(model: Any) -> str:
@@ -162,14 +162,14 @@ def run_trainer(args: argparse.Namespace) -> int:
 
     step = 0
     if args.plain:
-        for step in range(1, args.steps + 1):
+        for _ in range(args.steps):
             _train_step(model, optim, data, gen)
-        _emit("done", step=step, digest=_weights_digest(model))
+        _emit("done", step=args.steps, digest=_weights_digest(model))
         return 0
 
     from strata.client import Checkpointer
 
-    ckpt = Checkpointer.from_env()
+    ckpt = Checkpointer()
     t0 = time.perf_counter()
     result = ckpt.restore(state())
     if result.step is not None:
@@ -190,7 +190,7 @@ def run_trainer(args: argparse.Namespace) -> int:
             skipped=list(result.skipped),
         )
     else:
-        _emit("fresh-start", reason=result.reason if hasattr(result, "reason") else "")
+        _emit("fresh-start", notes=list(result.skipped))
 
     scratch = Path(args.torch_save_dir) / f"torch-save-{os.getpid()}.pt"
     while step < args.steps:
@@ -308,9 +308,12 @@ class Demo:
         while time.monotonic() < deadline:
             if self.sidecar.poll() is not None:
                 raise RuntimeError(f"sidecar exited with {self.sidecar.returncode}; see {log.name}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(
-                f"http://127.0.0.1:{cfg.metrics_port}/healthz", timeout=1
-            ) as r:
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(
+                    f"http://127.0.0.1:{cfg.metrics_port}/healthz", timeout=1
+                ) as r,
+            ):
                 if r.status == 200:
                     return
             time.sleep(0.1)
