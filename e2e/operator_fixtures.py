@@ -151,6 +151,21 @@ class OperatorProcess:
             return None
         return base64.b64decode(hooks[0]["clientConfig"].get("caBundle", ""))
 
+    def configured(self) -> bool:
+        """The cluster's webhook configuration points at this process with its CA."""
+        try:
+            obj = self.cluster.request(
+                f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{WEBHOOK_CONFIG}"
+            )
+        except OSError:
+            return False
+        hooks = obj.get("webhooks") or []
+        return bool(hooks) and all(
+            f":{self.webhook_port}/" in h["clientConfig"].get("url", "")
+            and base64.b64decode(h["clientConfig"].get("caBundle", "")) == self.ca_file.read_bytes()
+            for h in hooks
+        )
+
     def _tls_ok(self, port: int) -> bool:
         context = ssl.create_default_context(cafile=str(self.ca_file))
         try:
@@ -170,7 +185,7 @@ class OperatorProcess:
                 raise RuntimeError(f"operator exited; log {self.log}:\n{self.log_tail()}")
             if (
                 self.ca_file.is_file()
-                and self.ca_bundle_in_cluster() == self.ca_file.read_bytes()
+                and self.configured()
                 and self._tls_ok(self.webhook_port)
                 and self._tls_ok(self.report_port)
             ):
@@ -240,16 +255,20 @@ def strata_operator(
         )
 
 
+def _fresh(op: OperatorProcess) -> None:
+    # Restart when stopped, started with other flags, or when another operator of the session
+    # (e.g. e2e/test_operator.py's) rewrote the shared webhook configuration.
+    if not op.alive() or op.args or not op.configured():
+        op.stop()
+        op.start()
+
+
 @pytest.fixture
 def operator_running(strata_operator: OperatorProcess) -> Iterator[OperatorProcess]:
-    """The operator, (re)started with default flags after a test that stopped or changed it."""
-    if not strata_operator.alive() or strata_operator.args:
-        strata_operator.stop()
-        strata_operator.start()
+    """The operator, (re)started with default flags when a test stopped or changed it."""
+    _fresh(strata_operator)
     yield strata_operator
-    if not strata_operator.alive() or strata_operator.args:
-        strata_operator.stop()
-        strata_operator.start()
+    _fresh(strata_operator)
 
 
 def _go_module_dir(module: str) -> Path:
