@@ -206,7 +206,7 @@ class _Encoder:
                 dtype=_dtype_name(t.dtype),
                 shape=list(t.shape),
                 stride=list(t.stride()),
-                storage_offset=t.storage_offset(),
+                storage_offset=int(t.storage_offset()),
                 requires_grad=t.requires_grad,
             )
         )
@@ -395,7 +395,7 @@ def dumps(state: Any) -> tuple[EncodedState, bytearray]:
 class _Decoder:
     """Decodes one manifest's tree against one data buffer."""
 
-    def __init__(self, manifest: Manifest, data: Buffer | torch.Tensor, where: str) -> None:
+    def __init__(self, manifest: Manifest, data: Buffer | bytes | torch.Tensor, where: str) -> None:
         self.m = manifest
         self.where = where
         if isinstance(data, bytes):
@@ -450,7 +450,7 @@ class _Decoder:
         if se.offset % itemsize:
             raise CodecError(f"{self.where}: storage {te.storage} is misaligned for {te.dtype}")
         base = self.buf.untyped_storage()
-        start = self.buf.storage_offset() + se.offset
+        start = int(self.buf.storage_offset()) + se.offset
         return _set(dt, base, start // itemsize + te.storage_offset, te.shape, te.stride)
 
     def new(self, idx: int, param: bool) -> torch.Tensor:

@@ -112,7 +112,7 @@ trees = st.recursive(
 
 
 @given(trees)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_state_tree_roundtrips_exactly(state: Any) -> None:
     loaded, _ = roundtrip({"s": state})
     assert same(loaded, {"s": state})
