@@ -96,6 +96,16 @@ class Operator:
             "--gcs-timeout",
             str(gcs_timeout),
             "--verbose",
+            # The webhook and report receiver (other modules of this operator) on loopback
+            # and free ports, so that successive operators in one session never collide.
+            "--webhook-listen",
+            "127.0.0.1",
+            "--webhook-port",
+            str(free_port()),
+            "--report-port",
+            "0",
+            "--metrics-port",
+            "0",
             *extra,
         ]
         with self.log.open("wb") as out:
@@ -579,6 +589,22 @@ def test_c13_namespace_with_a_policy_terminates_with_the_operator_running_or_sto
         policy = wait_ready(kube, ns, "p")
         wait_ready(kube, ns, "broken", status="False")
         assert_no_strata_finalizer_or_status_litter(policy)
+        # A training pod naming the policy (injected by this operator's webhook).
+        pod = client.CoreV1Api(kube).create_namespaced_pod(
+            ns,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "trainer", "labels": {"strata.dev/policy": "p"}},
+                "spec": {
+                    "containers": [{"name": "train", "image": "python:3.11"}],
+                    "nodeSelector": {"strata.dev/test": "no-such-node"},
+                },
+            },
+            _preload_content=False,
+        )
+        pod_meta = json.loads(pod.data)["metadata"]
+        assert not [f for f in pod_meta.get("finalizers") or [] if "strata" in f]
         if operator_state == "stopped":
             op.stop()
         client.CoreV1Api(kube).delete_namespace(ns)

@@ -269,7 +269,7 @@ def build_parser(extensions: Sequence[ModuleType] = ()) -> argparse.ArgumentPars
         "--liveness",
         metavar="URL",
         default=os.environ.get("STRATA_OPERATOR_LIVENESS"),
-        help="serve kopf's liveness probe, e.g. http://0.0.0.0:8095/healthz (default: off)",
+        help="serve kopf's liveness probe, e.g. http://0.0.0.0:8090/healthz (default: off)",
     )
     parser.add_argument(
         "--dependency-retry",
