@@ -118,6 +118,22 @@ def test_c12_start_up_prunes_ram_to_the_newest_committed_step_before_becoming_re
     assert events.index("ram_pruned") < events.index("ready")
 
 
+def test_start_up_prefetches_the_newest_durable_step_for_ranks_the_ram_tier_knows(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    """A sidecar restarted on the same node (hostPath, or a container restart) finds rank 0's
+    slot ring holding step 10 while the PVC holds step 50: it stages 50 into RAM by itself."""
+    ram, pvc = RamTier(shm_dir, keep=1), PosixTier(tmp_path / "pvc")
+    write_ram_shard(ram, JOB, 10, 0, payload(10))
+    staging = RamTier(tmp_path / "staging", keep=1)
+    m = write_ram_shard(staging, JOB, 50, 0, payload(50))
+    pvc.put_shard(JOB, 50, 0, staging.data_path(JOB, 50, 0), m)
+    side = sidecar_proc(config_for(shm_dir, tmp_path / "pvc"))
+    wait_until(lambda: 50 in ram.list_steps(JOB), what="step 50 prefetched into RAM")
+    assert committed_bytes(ram, 50) == payload(50)
+    wait_until(lambda: any(e.get("event") == "prefetched" for e in side.log_events()), what="log")
+
+
 def test_bad_configuration_exits_2_naming_the_setting(shm_dir: Path, sidecar_proc: Start) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
     for config, words in (

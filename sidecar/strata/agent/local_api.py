@@ -84,6 +84,7 @@ class LocalApi:
         self.on_client_event = on_client_event
         self.is_ready = is_ready
         self._alloc_lock = threading.Lock()
+        self._stage_locks: dict[int, threading.Lock] = {}
 
     def routes(self) -> Routes:
         routes = Routes()
@@ -171,13 +172,25 @@ class LocalApi:
         inv = collect_inventory(self.tiers(), job, rank, world)
         return 200, inv.to_dict()
 
+    def _rank_lock(self, rank: int) -> threading.Lock:
+        with self._alloc_lock:
+            return self._stage_locks.setdefault(rank, threading.Lock())
+
     def stage(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Stage one shard; stagings of one rank are serialised (a prefetch and the trainer's
+        restore of the same shard never copy it twice into two slots)."""
         job = self._job(request)
         rank = _int(request, "rank")
         step = _int(request, "step")
         world = _int(request, "world_size", 1)
         sources = request.get("sources")
         self.engine.add_ranks([rank])
+        with self._rank_lock(rank):
+            return self._stage(job, rank, step, world, sources)
+
+    def _stage(
+        self, job: str, rank: int, step: int, world: int, sources: list[str] | None
+    ) -> tuple[int, dict[str, Any]]:
         tiers = [t for t in self.tiers() if sources is None or t.name in sources]
         t0 = time.perf_counter()
         locks: list[SlotWriteLock] = []

@@ -9,7 +9,9 @@ Life cycle (DESIGN.md "Parts and data flow"; issue 3):
    native sidecar's startupProbe passed, so the trainer never races the pruning below).
 3. Start-up: prune this job's RAM directory to the newest committed step per rank (C-12),
    re-open the slot rings a previous incarnation left (surplus free slots are released), take
-   the heartbeat, then open the local API socket and become ready.
+   the heartbeat, then open the local API socket and become ready. In the background, prefetch
+   the newest complete durable step into RAM for ranks the RAM directory knows
+   (:meth:`Sidecar.prefetch`).
 4. Running: the promotion loop (:class:`strata.promotion.PromotionEngine`), the heartbeat
    (``<ram>/<job>/.strata-heartbeat`` for the hostPath janitor), periodic reports.
 5. SIGTERM/SIGINT: stop promoting by interval; if the newest committed RAM step is newer than
@@ -61,6 +63,7 @@ class Sidecar:
         *,
         poll_seconds: float = 0.5,
         report_seconds: float = REPORT_SECONDS,
+        prefetch: bool = True,
     ) -> None:
         self.config = config
         self.policies = tier_policies(config)  # PolicyError names a conflicting setting
@@ -79,6 +82,7 @@ class Sidecar:
             config, self.ram, durable, policies=self.policies, on_event=self._on_event
         )
         self.poll_seconds = poll_seconds
+        self.prefetch_enabled = prefetch
         self.report_seconds = report_seconds
         self.ready = threading.Event()
         self.stop = threading.Event()
@@ -301,6 +305,54 @@ class Sidecar:
             extra={"event": "ready"},
         )
 
+    def prefetch(self) -> list[tuple[int, int, str]]:
+        """Bring the newest complete durable step into RAM for the ranks this RAM tier already
+        knows (slot rings left by a previous incarnation), when RAM holds nothing as new.
+
+        Runs in the background after readiness, so the trainer's restore is a RAM hit. Ranks are
+        only known from the RAM directory (a recreated pod with an empty emptyDir has none; the
+        trainer's restore then stages on demand). Returns ``(rank, step, tier)`` staged.
+        """
+        job = self.config.job_id
+        ranks = self.engine.local_ranks()
+        if not ranks:
+            return []
+        newest: tuple[int, int] | None = None  # (step, world size)
+        for tier in self.durable.values():
+            try:
+                listings = tier.list_steps(job)
+            except TierError as exc:
+                log.info("prefetch: cannot list %s: %s", tier.name, exc)
+                continue
+            for step, listing in listings.items():
+                if listing.complete and listing.world_size and (newest is None or step > newest[0]):
+                    newest = (step, listing.world_size)
+        if newest is None:
+            return []
+        step, world = newest
+        ram_steps = self.ram.list_steps(job)
+        staged: list[tuple[int, int, str]] = []
+        for rank in sorted(r for r in ranks if r < world):
+            mine = [s for s, li in ram_steps.items() if rank in li.committed_ranks]
+            if mine and max(mine) >= step:
+                continue
+            request = {"job_id": job, "rank": rank, "step": step, "world_size": world}
+            try:
+                status, body = self.api.stage(request)
+            except Exception as exc:
+                log.warning("prefetch of rank %d step %d failed: %s", rank, step, exc)
+                continue
+            if status == 200:
+                staged.append((rank, step, str(body["tier"])))
+                log.info(
+                    "prefetched rank %d of step %d from %s into RAM",
+                    rank,
+                    step,
+                    body["tier"],
+                    extra={"event": "prefetched", "rank": rank, "step": step, "tier": body["tier"]},
+                )
+        return staged
+
     def _loop(self, name: str, every: float, body: Any) -> None:
         def run() -> None:
             while not self.stop.is_set():
@@ -331,6 +383,12 @@ class Sidecar:
             except Exception:
                 log.exception("building a report failed")
 
+    def _prefetch_quietly(self) -> None:
+        try:
+            self.prefetch()
+        except Exception:
+            log.exception("prefetch failed; the trainer's restore stages on demand")
+
     def start_background(self) -> None:
         t = threading.Thread(
             target=self.engine.run,
@@ -345,6 +403,10 @@ class Sidecar:
             HEARTBEAT_SECONDS,
             lambda: touch_heartbeat(self.ram.root, self.config.job_id),
         )
+        if self.prefetch_enabled:
+            p = threading.Thread(target=self._prefetch_quietly, name="strata-prefetch", daemon=True)
+            p.start()
+            self._threads.append(p)
         r = threading.Thread(target=self._report_loop, name="strata-report-loop", daemon=True)
         r.start()
         self._threads.append(r)
