@@ -211,6 +211,9 @@ class Checkpointer:
     env ``RANK``/``WORLD_SIZE``, else 0/1. ``copy_threads``: threads copying into the slot.
     ``process_group``: for the all-gather of inventories (default group).
     Raises :class:`strata.config.ConfigError` for a bad configuration.
+
+    One Checkpointer per training process; call ``save``/``restore`` from one thread (the
+    training loop). ``close()`` (or ``with``) waits for background checksums and unmaps slots.
     """
 
     def __init__(

@@ -169,7 +169,7 @@ def test_enospc_raises_tierfull_and_keeps_previous_step(
         TierFull, match=r"no space left on the pvc tier .*rank-00000\.data.*previous"
     ):
         tier.put_shard(JOB, 2, 0, big_src, big_m)
-    assert sorted(os.listdir(tier.step_dir(JOB, 2))) == []  # only its own partial file removed
+    assert not tier.step_dir(JOB, 2).exists()  # its own partial file (and empty dir) removed
     assert tier.complete_steps(JOB) == [1]
     tier.fetch_shard(JOB, 1, 0, tmp_path / "back")
     assert (tmp_path / "back").read_bytes() == data

@@ -382,6 +382,8 @@ class PosixTier(Tier):
         except OSError as exc:
             for p in reversed(written):
                 _remove_quietly(p)
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only when empty: other ranks' shards stay
             if exc.errno in _FULL:
                 raise TierFull(
                     f"no space left on the {self.name} tier writing {exc.filename or data}; the "
