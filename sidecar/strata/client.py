@@ -432,6 +432,9 @@ class Checkpointer:
             except StageError as exc:
                 res, err = None, str(exc)
                 notes.extend(exc.skipped)
+            except Exception as exc:  # stay in lockstep with the other ranks: fail this step only
+                res, err = None, f"staging failed: {exc!r}"
+                notes.append(f"step {plan.step}: {err}")
             outcomes = self._gather(None if res is None else res.tier)
             if res is None or any(o is None for o in outcomes):
                 log.warning(

@@ -197,7 +197,7 @@ def collect_inventory(
     for tier in tiers:
         try:
             listing = tier.list_steps(job_id)
-        except TierError as exc:
+        except (TierError, OSError) as exc:
             notes.append(f"{tier.name}: not searched: {exc}")
             continue
         c: dict[int, frozenset[int]] = {}

@@ -358,3 +358,18 @@ def test_config_from_environment(shm_dir: Path, monkeypatch: pytest.MonkeyPatch)
         assert (c.job_id, c.rank, c.world_size, c.config.ram.keep) == ("ns.envjob", 1, 3, 2)
         assert c.save(0, {"x": torch.ones(3)})
         assert c.ram.get_manifest("ns.envjob", 0, 1).world_size == 3
+
+
+def test_unlistable_tier_is_noted_and_others_serve(shm_dir: Path, tmp_path: Path) -> None:
+    """A PVC that cannot be listed (here its steps folder is a file) does not block a RAM restore."""
+    t = Trainer()
+    (tmp_path / "pvc" / JOB).mkdir(parents=True)
+    (tmp_path / "pvc" / JOB / "steps").write_text("not a directory")
+    with ckpt(shm_dir, tmp_path) as c:
+        t.train(0)
+        assert c.save(3, t.state)
+        w3 = t.weights()
+        t.train(1)
+        res = c.restore(t.state)
+    assert res.step == 3 and res.tiers == {0: "ram"} and same_weights(t.weights(), w3)
+    assert any(n.startswith("pvc: not searched: cannot list") for n in res.skipped), res.skipped
