@@ -470,6 +470,10 @@ def test_policies_the_schema_cannot_judge_are_not_ready_with_what_to_fix(
         degraded = condition(policy, c.DEGRADED)
         assert degraded is not None and degraded["reason"] == c.REASON_PVC_NOT_SHARED
 
+        # The operator retried the missing PVC every second meanwhile, but said it once.
+        no_pvc_events = events_for(kube, ns, "no-pvc")
+        assert [e["reason"] for e in no_pvc_events] == [c.REASON_PVC_NOT_FOUND]
+
         # Creating the missing PVC fixes the policy without touching it.
         create_pvc(kube, ns, "missing")
         policy = wait_ready(kube, ns, "no-pvc")

@@ -18,7 +18,8 @@ Kopf settings (see :func:`configure`): progress and diff-base in ``strata.dev/*`
 (nothing in status, handler results are not stored: the handler returns None); no finalizers —
 kopf adds one only for non-optional deletion handlers and daemons/timers, and none are
 registered (case C-13: deleting a namespace must never wait for the operator); kopf's own log
-lines are posted as Events only from WARNING up.
+lines are not posted as Events (only CRITICAL ones), so a policy waiting for its PVC does not
+collect an Event per retry.
 
 Extensions (webhook, report receiver, metrics) register their kopf handlers by being imported:
 list their module names in :data:`EXTENSION_MODULES`. A module may also define
@@ -112,7 +113,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prefix=PERSISTENCE_PREFIX, key="last-handled-configuration"
     )
     settings.persistence.finalizer = FINALIZER
-    settings.posting.level = logging.WARNING
+    # kopf would post its own log lines as Events, including "failed temporarily" on every
+    # retry of a missing dependency; our Events (on a Ready change) already say it once.
+    settings.posting.level = logging.CRITICAL
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
