@@ -36,9 +36,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: strata
-{{- with .Values.commonLabels }}
-{{ toYaml . }}
-{{- end }}
+{{- with include "strata.stringMap" .Values.commonLabels | trim }}{{ . | nindent 0 }}{{ end }}
 {{- end }}
 
 {{/* Labels plus app.kubernetes.io/component. Usage: include "strata.labelsFor" (list . "operator") */}}
@@ -86,4 +84,11 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $ns := list "kube-system" .Release.Namespace }}
 {{- range .Values.webhook.excludedNamespaces }}{{ $ns = append $ns . }}{{ end }}
 {{- $ns | uniq | toJson }}
+{{- end }}
+
+{{/* A map of labels or annotations with every value a string (`--set a=true` gives a bool). */}}
+{{- define "strata.stringMap" -}}
+{{- range $key, $value := . }}
+{{ $key }}: {{ $value | toString | quote }}
+{{- end }}
 {{- end }}
