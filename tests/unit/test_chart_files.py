@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,28 @@ def test_an_undocumented_value_is_refused_by_the_generator(tmp_path: Path) -> No
 def test_chart_version_matches_the_package() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["appVersion"] == strata.__version__
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "e2e/kind/create-cluster.sh",
+        "e2e/kind/delete-cluster.sh",
+        "charts/strata/hack/render-manifests.sh",
+    ],
+)
+def test_packaging_scripts_parse(script: str) -> None:
+    proc = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_kind_script_builds_the_images_the_chart_and_examples_use() -> None:
+    script = (ROOT / "e2e" / "kind" / "create-cluster.sh").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for repository in (values["image"]["repository"], values["sidecar"]["image"]["repository"]):
+        assert f'"{repository}:$version"' in script, repository
+    for example in ("job.yaml", "jobset.yaml", "pytorchjob.yaml"):
+        assert "ghcr.io/strata-dev/strata-train:0.1.0" in (ROOT / "examples" / example).read_text()
+    assert 'train_image="ghcr.io/strata-dev/strata-train:$version"' in script
+    for dockerfile in ("operator/Dockerfile", "sidecar/Dockerfile", "examples/Dockerfile"):
+        assert f"docker build -f {dockerfile} " in script, dockerfile
