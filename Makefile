@@ -38,13 +38,13 @@ test-e2e: $(STAMP) tools ## end-to-end tests on the local control plane
 	$(BIN)/python -m pytest e2e $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff lint + format check, import contracts
-	$(BIN)/ruff check sidecar operator tests e2e bench
-	$(BIN)/ruff format --check sidecar operator tests e2e bench
+	$(BIN)/ruff check sidecar operator tests e2e bench examples charts/strata/hack
+	$(BIN)/ruff format --check sidecar operator tests e2e bench examples charts/strata/hack
 	$(BIN)/lint-imports
 
 fmt: $(STAMP) ## apply ruff formatting and fixes
-	$(BIN)/ruff check --fix sidecar operator tests e2e bench
-	$(BIN)/ruff format sidecar operator tests e2e bench
+	$(BIN)/ruff check --fix sidecar operator tests e2e bench examples charts/strata/hack
+	$(BIN)/ruff format sidecar operator tests e2e bench examples charts/strata/hack
 
 typecheck: $(STAMP) ## mypy strict on the packages
 	$(BIN)/mypy
