@@ -29,7 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from tests.fixtures.policies import InvalidCase, PolicyBuilder, invalid_policies
 
 from e2e.cluster import LOOPBACK_NO_PROXY, ClusterError, LocalCluster, free_port
-from strata_operator import api
+from strata_operator import api, crdgen
 from strata_operator import conditions as c
 
 pytestmark = pytest.mark.e2e
@@ -482,6 +482,58 @@ def test_policies_the_schema_cannot_judge_are_not_ready_with_what_to_fix(
     finally:
         client.CoreV1Api(kube).delete_namespace(ns)
         client.CoreV1Api(kube).delete_namespace(restricted)
+
+
+def test_invalid_policies_stored_under_a_looser_schema_are_not_ready_with_what_to_fix(
+    k8s_cluster: LocalCluster, crd: None, kube: Any, gcs_emulator: Any, tmp_path: Path
+) -> None:
+    """Objects written before the CRD got stricter (or under a hand-edited CRD) are judged by
+    the operator with the same rules: every generated invalid spec is Ready=False InvalidSpec
+    with a message naming the field."""
+    loose = crdgen.crd()
+    version = loose["spec"]["versions"][0]
+    version["schema"]["openAPIV3Schema"]["properties"]["spec"] = {
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+    }
+    ns = new_namespace(kube)
+    op = Operator(k8s_cluster, tmp_path, gcs_emulator.endpoint)
+    names: dict[str, InvalidCase] = {}
+    try:
+        k8s_cluster.kubectl(
+            "apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(loose)
+        )
+        for n, case in enumerate(CASES):
+            body = {
+                "apiVersion": api.API_VERSION,
+                "kind": api.KIND,
+                "metadata": {"name": f"stored-{n:03d}", "namespace": ns},
+                "spec": case.spec,
+            }
+            # The apiserver may serve the previous schema for a moment after the update.
+            wait_for(f"{case.id} to be stored", lambda b=body: _try_create(kube, b))
+            names[body["metadata"]["name"]] = case
+        op.start()
+        for name, case in names.items():
+            policy = wait_ready(kube, ns, name, status="False")
+            ready = condition(policy, c.READY)
+            assert ready is not None and ready["reason"] == c.REASON_INVALID_SPEC, (case.id, ready)
+            assert case.expect.lower() in ready["message"].lower(), (case.id, ready["message"])
+        assert op.alive() and op.errors() == []
+    finally:
+        op.stop()
+        k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+        client.CoreV1Api(kube).delete_namespace(ns)
+
+
+def _try_create(kube: Any, body: Obj) -> bool:
+    try:
+        create_policy(kube, body)
+    except ApiException as exc:
+        if exc.status in (400, 422):
+            return False
+        raise
+    return True
 
 
 def test_update_bumps_observed_generation_and_conditions(
