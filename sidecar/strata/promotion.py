@@ -139,6 +139,7 @@ def plan_retention(
 
 @dataclass
 class _TierProgress:
+    initialised: bool = False
     last_step: int | None = None
     last_time: float | None = None
     last_maintenance: float | None = None
@@ -198,10 +199,11 @@ class PromotionEngine:
         self._progress: dict[TierName, _TierProgress] = {t: _TierProgress() for t in self.durable}
         self._attempts: dict[tuple[TierName, int, int], tuple[int, float]] = {}
         self._unverified_since: dict[tuple[int, int], float] = {}
-        self._lock = threading.Lock()
+        self._tier_locks: dict[TierName, threading.Lock] = {
+            t: threading.Lock() for t in self.durable
+        }
         self._stopping = threading.Event()
         self._started = clock()
-        self._initialised = False
 
     # -- ranks and RAM state ----------------------------------------------------------------------
 
@@ -281,19 +283,23 @@ class PromotionEngine:
 
     # -- tier progress ----------------------------------------------------------------------------
 
-    def _init_progress(self) -> None:
-        """Start each durable tier's interval from the newest step it already holds for us."""
-        if self._initialised:
-            return
-        ranks = self.local_ranks()
-        for name, tier in self.durable.items():
-            try:
-                step = self._newest_local_step(tier, ranks)
-            except TierError as exc:
-                log.warning("cannot list the %s tier at start: %s", name, exc)
-                continue
-            self._progress[name].last_step = step
-        self._initialised = True
+    def _init_tier(self, name: TierName, ranks: set[int]) -> bool:
+        """Start a durable tier's interval from the newest step it already holds for ``ranks``
+        (once, when the ranks are known); False while that listing has not succeeded."""
+        progress = self._progress[name]
+        if progress.initialised:
+            return True
+        if not ranks:
+            return False
+        try:
+            step = self._newest_local_step(self.durable[name], ranks)
+        except TierError as exc:
+            log.warning("cannot list the %s tier yet: %s", name, exc)
+            return False
+        if progress.last_step is None or (step is not None and step > progress.last_step):
+            progress.last_step = step
+        progress.initialised = True
+        return True
 
     def _newest_local_step(self, tier: Tier, ranks: set[int]) -> int | None:
         if not ranks:
@@ -312,50 +318,62 @@ class PromotionEngine:
         """One round: promote the newest RAM step where due, then retention where due.
 
         ``force_tier``: promote to that tier regardless of its interval (flush).
-        Never raises for a tier or shard failure (see the module docstring); returns what happened.
+        Each tier is worked on under its own lock, so a slow GCS upload never holds up the PVC
+        (nor the SIGTERM flush to it). Never raises for a tier or shard failure (see the module
+        docstring); returns what happened.
         """
-        with self._lock:
-            return self._round(force_tier=force_tier, seal=seal)
-
-    def _round(self, *, force_tier: TierName | None, seal: bool) -> RoundResult:
         result = RoundResult()
-        self._init_progress()
         ranks = self.local_ranks()
         step = self.newest_ram_step(ranks)
         manifests = self._ram_manifests(step, ranks, seal) if step is not None else None
         if step is not None and manifests is not None:
             result.ram_step = step
-            for name in self.durable:
-                if self._stopping.is_set() and force_tier is None:
-                    break
-                if force_tier is not None and name != force_tier:
+        for name in self.durable:
+            if force_tier is not None and name != force_tier:
+                continue
+            if self._stopping.is_set() and force_tier is None:
+                break
+            with self._tier_locks[name]:
+                if not self._init_tier(name, ranks):
                     continue
-                progress = self._progress[name]
-                if progress.last_step is not None and step <= progress.last_step:
-                    continue
-                due = force_tier == name or self.policies[name].interval.due(
-                    step, progress.last_step, self._clock(), progress.last_time or self._started
-                )
-                if not due:
-                    continue
-                failures = self._promote_step(name, step, manifests)
-                if failures:
-                    result.failed[name] = failures
-                else:
-                    result.promoted[name] = step
-        if force_tier is None:
-            for name in self.durable:
-                p = self._progress[name]
-                now = self._clock()
-                if name in result.promoted or (
-                    p.last_maintenance is None
-                    or now - p.last_maintenance >= self.maintenance_seconds
-                ):
-                    p.last_maintenance = now
-                    deleted = self._maintain(name, ranks)
-                    if deleted:
-                        result.deleted[name] = deleted
+                if step is not None and manifests is not None:
+                    self._promote_if_due(name, step, manifests, force_tier == name, result)
+                if force_tier is None:
+                    self._maintain_if_due(name, ranks, result)
         return result
+
+    def _promote_if_due(
+        self,
+        name: TierName,
+        step: int,
+        manifests: dict[int, Manifest],
+        force: bool,
+        result: RoundResult,
+    ) -> None:
+        progress = self._progress[name]
+        if progress.last_step is not None and step <= progress.last_step:
+            return
+        due = force or self.policies[name].interval.due(
+            step, progress.last_step, self._clock(), progress.last_time or self._started
+        )
+        if not due:
+            return
+        failures = self._promote_step(name, step, manifests)
+        if failures:
+            result.failed[name] = failures
+        else:
+            result.promoted[name] = step
+
+    def _maintain_if_due(self, name: TierName, ranks: set[int], result: RoundResult) -> None:
+        p = self._progress[name]
+        now = self._clock()
+        if name in result.promoted or (
+            p.last_maintenance is None or now - p.last_maintenance >= self.maintenance_seconds
+        ):
+            p.last_maintenance = now
+            deleted = self._maintain(name, ranks)
+            if deleted:
+                result.deleted[name] = deleted
 
     def _promote_step(self, name: TierName, step: int, manifests: dict[int, Manifest]) -> list[str]:
         """Copy every local shard of ``step`` into tier ``name``; returns failure messages."""
@@ -563,25 +581,29 @@ class PromotionEngine:
         return next(iter(self.durable), None)
 
     def flush(self, deadline: float) -> FlushResult:
-        """Promote the newest committed RAM step to the fastest durable tier if that tier is
-        behind (C-14); ``deadline`` is on the engine's clock (default ``time.monotonic``).
+        """Promote the newest committed RAM step to the fastest durable tier if no durable tier
+        holds it or a newer step (C-14); ``deadline`` is on the engine's clock (default
+        ``time.monotonic``).
 
-        Waits for a round in progress (it may be promoting that very step) until the deadline.
-        Unchecksummed RAM shards are checksummed first. Returns what happened; never raises.
+        Stops interval promotion, waits (until the deadline) only for work in progress on the
+        target tier, checksums RAM shards whose writer did not, and retries failed shards until
+        the deadline. Only the target tier is listed (a slow or unreachable GCS never delays a
+        flush to the PVC). Returns what happened; never raises.
         """
         self._stopping.set()
         tier = self.fastest_durable()
         if tier is None:
             return FlushResult(None, None, None, ok=True, message="no durable tier configured")
-        if not self._lock.acquire(timeout=max(0.0, deadline - self._clock())):
+        lock = self._tier_locks[tier]
+        if not lock.acquire(timeout=max(0.0, deadline - self._clock())):
             return FlushResult(
-                tier, None, None, ok=False, message="deadline passed waiting for a round"
+                tier, None, None, ok=False, message=f"deadline passed waiting for the {tier} tier"
             )
         try:
-            self._init_progress()
             ranks = self.local_ranks()
+            self._init_tier(tier, ranks)
             step = self.newest_ram_step(ranks)
-            durable_step = self._newest_durable_step(ranks)
+            durable_step = self._newest_durable_step(tier, ranks)
             if step is None:
                 return FlushResult(
                     tier, None, durable_step, ok=True, message="RAM holds no committed step"
@@ -590,39 +612,37 @@ class PromotionEngine:
                 return FlushResult(
                     tier, step, durable_step, ok=True, message="durable tiers are current"
                 )
-            # Shards that fail now may succeed on a retry: the flush ignores earlier backoff.
-            for rank in ranks:
-                self._attempts.pop((tier, step, rank), None)
+            failures: list[str] = ["RAM step not promotable"]
             while True:
-                result = self._round(force_tier=tier, seal=True)
-                if tier in result.promoted and result.promoted[tier] == step:
-                    return FlushResult(tier, step, durable_step, ok=True, message="promoted")
-                if self._clock() + 0.2 >= deadline:
-                    return FlushResult(
-                        tier,
-                        step,
-                        durable_step,
-                        ok=False,
-                        message="; ".join(result.failed.get(tier, ["RAM step not promotable"])),
-                    )
+                # Shards that failed earlier may succeed now: the flush ignores their backoff.
                 for rank in ranks:
                     self._attempts.pop((tier, step, rank), None)
+                manifests = self._ram_manifests(step, ranks, seal=True)
+                if manifests is not None:
+                    result = RoundResult(ram_step=step)
+                    self._promote_if_due(tier, step, manifests, True, result)
+                    if result.promoted.get(tier) == step:
+                        return FlushResult(tier, step, durable_step, ok=True, message="promoted")
+                    failures = result.failed.get(tier, failures)
+                if self._clock() + 0.2 >= deadline:
+                    return FlushResult(
+                        tier, step, durable_step, ok=False, message="; ".join(failures)
+                    )
                 time.sleep(0.2)
         finally:
-            self._lock.release()
+            lock.release()
 
-    def _newest_durable_step(self, ranks: set[int]) -> int | None:
-        newest: int | None = None
-        for name, tier in self.durable.items():
-            p = self._progress[name].last_step
-            try:
-                listed = self._newest_local_step(tier, ranks)
-            except TierError:
-                listed = None
-            for s in (p, listed):
-                if s is not None and (newest is None or s > newest):
-                    newest = s
-        return newest
+    def _newest_durable_step(self, tier: TierName, ranks: set[int]) -> int | None:
+        """Newest step holding every local shard on a durable tier: what this engine promoted
+        or found at start, and a fresh listing of ``tier``."""
+        known = [p.last_step for p in self._progress.values() if p.last_step is not None]
+        try:
+            listed = self._newest_local_step(self.durable[tier], ranks)
+        except TierError:
+            listed = None
+        if listed is not None:
+            known.append(listed)
+        return max(known) if known else None
 
     def run(self, stop: threading.Event, interval_seconds: float = 0.5) -> None:
         """Call :meth:`promote_once` every ``interval_seconds`` until ``stop`` is set."""

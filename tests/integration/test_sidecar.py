@@ -299,6 +299,22 @@ def test_c14_sigterm_flushes_the_newest_ram_step_to_the_pvc_and_exits_0(
     assert flush and flush[-1]["ok"] is True and flush[-1]["step"] == 70
 
 
+def test_c14_an_unreachable_bucket_never_delays_the_flush_to_the_pvc(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    pvc_root = tmp_path / "pvc"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    config = config_for(
+        shm_dir, pvc_root, gcs={"bucket": "unreachable", "endpoint": dead, "every": {"steps": 10}}
+    )
+    side = sidecar_proc(config)
+    agent = connect(config.socket)
+    assert agent is not None
+    write_ram_shard(RamTier(shm_dir, keep=1), JOB, 70, 0, payload(70), provider=agent)
+    assert side.terminate(timeout=40) == 0
+    assert committed_bytes(PosixTier(pvc_root), 70) == payload(70)
+
+
 def test_sigkill_during_promotion_never_loses_a_committed_durable_step(
     shm_dir: Path, tmp_path: Path, sidecar_proc: Start
 ) -> None:

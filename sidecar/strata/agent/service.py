@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Collection
 from types import FrameType
 from typing import Any
 
@@ -75,7 +76,9 @@ class Sidecar:
         if config.gcs is not None:
             from strata.tiers.gcs import GcsTier
 
-            durable["gcs"] = GcsTier(config.gcs, writer_id=self.writer_id)
+            # Retried calls give up after a minute: the next round retries anyway, and a tier
+            # lock held for GCS's default two minutes would delay retention and reports.
+            durable["gcs"] = GcsTier(config.gcs, writer_id=self.writer_id, retry_timeout=60.0)
         self.durable = durable
         self.metrics = Metrics()
         self.engine = PromotionEngine(
@@ -92,6 +95,7 @@ class Sidecar:
         self._restores: deque[Restore] = deque(maxlen=MAX_EVENTS)
         self._errors: deque[ReportedError] = deque(maxlen=MAX_EVENTS)
         self._report_due = threading.Event()
+        self._tier_state_cache: dict[TierName, TierState] = {}
         self.reporter = self._make_reporter()
         self.api = LocalApi(
             config,
@@ -184,12 +188,18 @@ class Sidecar:
             )
             self._report_due.set()
 
-    def tier_states(self) -> dict[TierName, TierState]:
-        """Per tier: newest complete step, newest step holding all local shards, complete count."""
+    def tier_states(self, only: Collection[str] | None = None) -> dict[TierName, TierState]:
+        """Per tier: newest complete step, newest step holding all local shards, complete count.
+
+        ``only``: tiers to list now; the others keep their last listed state (the final report
+        at SIGTERM must not wait for an unreachable bucket).
+        """
         ranks = self.engine.local_ranks()
-        out: dict[TierName, TierState] = {}
+        out = dict(self._tier_state_cache)
         tiers: list[Tier] = [self.ram, *self.durable.values()]
         for tier in tiers:
+            if only is not None and tier.name not in only:
+                continue
             try:
                 listings = tier.list_steps(self.config.job_id)
             except TierError as exc:
@@ -203,13 +213,14 @@ class Sidecar:
                 complete_steps=len(complete),
             )
             out[tier.name] = state
+            self._tier_state_cache[tier.name] = state
             if state.newest_committed_step is not None:
                 self.metrics.last_committed_step.labels(tier=tier.name).set(
                     state.newest_committed_step
                 )
         return out
 
-    def build_report(self) -> SidecarReport | None:
+    def build_report(self, only: Collection[str] | None = None) -> SidecarReport | None:
         c = self.config
         if not (c.policy and c.namespace and c.pod_name):
             return None
@@ -228,17 +239,17 @@ class Sidecar:
             pod_name=c.pod_name,
             pod_uid=c.pod_uid,
             job_id=c.job_id,
-            tiers=self.tier_states(),
+            tiers=self.tier_states(only),
             promotions=promotions,
             restores=restores,
             errors=errors,
         )
 
-    def send_report(self) -> None:
+    def send_report(self, only: Collection[str] | None = None) -> None:
         if self.reporter is None:
-            self.tier_states()  # keeps strata_last_committed_step current
+            self.tier_states(only)  # keeps strata_last_committed_step current
             return
-        report = self.build_report()
+        report = self.build_report(only)
         if report is not None:
             self.reporter.submit(report)
 
@@ -448,7 +459,7 @@ class Sidecar:
             )
         remaining = deadline + TERM_MARGIN_SECONDS - time.monotonic()
         try:
-            self.send_report()
+            self.send_report(only=("ram", result.tier) if result.tier else ("ram",))
         except Exception:
             log.exception("last report failed")
         if self.reporter is not None:
