@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from strata.agent.logs import setup_logging
@@ -17,6 +18,9 @@ EXIT_CONFIG = 2
 def run_sidecar(log_level: str = "INFO") -> int:
     """Run the sidecar until SIGTERM; 0 after a clean flush, 1 when it failed, 2 on bad config."""
     setup_logging(log_level)
+    # Files and directories the sidecar creates in the shared RAM volume stay group-writable,
+    # so a trainer running under another UID of the pod's fsGroup can use them.
+    os.umask(0o002)
     try:
         config = SidecarConfig.from_env()
         from strata.agent.service import Sidecar

@@ -206,18 +206,19 @@ class Sidecar:
                 log.warning("cannot list the %s tier for a report: %s", tier.name, exc)
                 continue
             complete = sorted(s for s, li in listings.items() if li.complete)
-            mine = [s for s, li in listings.items() if ranks and ranks <= li.committed_ranks]
+            # The report counts a step once any local shard is committed (schema); the gauge
+            # only once every local shard is.
+            any_local = [s for s, li in listings.items() if ranks & li.committed_ranks]
+            all_local = [s for s, li in listings.items() if ranks and ranks <= li.committed_ranks]
             state = TierState(
                 newest_complete_step=complete[-1] if complete else None,
-                newest_committed_step=max(mine) if mine else None,
+                newest_committed_step=max(any_local) if any_local else None,
                 complete_steps=len(complete),
             )
             out[tier.name] = state
             self._tier_state_cache[tier.name] = state
-            if state.newest_committed_step is not None:
-                self.metrics.last_committed_step.labels(tier=tier.name).set(
-                    state.newest_committed_step
-                )
+            if all_local:
+                self.metrics.last_committed_step.labels(tier=tier.name).set(max(all_local))
         return out
 
     def build_report(self, only: Collection[str] | None = None) -> SidecarReport | None:
