@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,3 +23,13 @@ def test_sidecar_image_runs_strata_sidecar_with_gcs_and_without_torch() -> None:
     assert installs and all(re.findall(r"\.\[([a-z,]+)\]", i) == ["gcs"] for i in installs)
     assert '! /opt/strata/bin/python -c "import torch"' in text
     assert re.search(r"^USER 65532", text, re.MULTILINE)
+
+
+def test_the_sidecar_and_its_client_side_import_without_torch() -> None:
+    """The image has no torch: the agent, the CLI and the AgentClient must not need it."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import strata.agent.service, strata.agent.api_client, strata.cli, strata.promotion\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
