@@ -587,9 +587,8 @@ class SidecarPorts(_Model):
 class Sidecar(_Model):
     """The injected checkpoint sidecar (a native sidecar: init container, restartPolicy Always)."""
 
-    image: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")] = (
-        DEFAULT_SIDECAR_IMAGE
-    )
+    image: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")] | None = None
+    """Sidecar image; unset: the operator's ``--sidecar-image`` (the chart's sidecar.image)."""
     resources: Resources = Resources()
     """Requests and limits; the webhook adds the RAM tier's sizeLimit to the memory limit."""
     termination_grace_period_seconds: Annotated[int, Field(strict=True, ge=1, le=86400)] | None = (

@@ -467,10 +467,9 @@ def _sidecar_container(
         security["runAsUser"] = settings.run_as_user
     mounts = _tier_mounts(pol, config)
     mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
-    image_set = "image" in pol.sidecar.model_fields_set
     container: Obj = {
         "name": SIDECAR_NAME,
-        "image": pol.sidecar.image if image_set else settings.sidecar_image,
+        "image": pol.sidecar.image or settings.sidecar_image,
         "command": list(settings.sidecar_command),
         "restartPolicy": "Always",
         "env": env,

@@ -339,9 +339,19 @@ def gather(
     if gcs is not None:
         ref = gcs.credentials.secret_ref
         if ref is not None:
-            secret = _read_json(
-                core_v1.read_namespaced_secret, ref.name, namespace, timeout=api_timeout
-            )
+            try:
+                secret = _read_json(
+                    core_v1.read_namespaced_secret, ref.name, namespace, timeout=api_timeout
+                )
+            except ReconcileError:
+                # The chart grants nothing cluster-wide on Secrets (least privilege): without a
+                # namespaced Role the operator cannot look inside; the sidecar still can.
+                bucket_fact = BucketFact(
+                    "not-checked",
+                    f"the operator may not read Secret {ref.name!r} in {namespace!r}; grant it "
+                    "a namespaced Role with get on that Secret to check the bucket",
+                )
+                return Facts(namespace_labels=labels, pvc=pvc_fact, bucket=bucket_fact)
             data = (secret or {}).get("data") or {}
             secret_fact = SecretFact(
                 found=secret is not None,
