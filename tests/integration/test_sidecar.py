@@ -212,7 +212,8 @@ def test_c04_staging_falls_back_past_corrupt_copies_and_quarantines_them(
     samples = metric_samples(side.scrape())
     assert samples[("strata_checksum_mismatches_total", (("tier", "ram"),))] == 2
     assert samples[("strata_checksum_mismatches_total", (("tier", "pvc"),))] == 1
-    assert samples[("strata_restore_total", (("outcome", "staged"), ("tier", "gcs")))] == 1
+    assert samples[("strata_stage_total", (("outcome", "staged"), ("tier", "gcs")))] == 1
+    assert samples[("strata_stage_total", (("outcome", "staged"), ("tier", "pvc")))] == 1
 
 
 def test_c06_recreated_pod_restores_from_the_pvc_through_the_sidecar(
@@ -250,8 +251,10 @@ def test_c06_recreated_pod_restores_from_the_pvc_through_the_sidecar(
         assert torch.equal(v, saved[k])
     wait_until(
         lambda: (
-            ("strata_restore_total", (("outcome", "staged"), ("tier", "pvc")))
-            in metric_samples(side2.scrape())
+            metric_samples(side2.scrape()).get(
+                ("strata_restore_total", (("outcome", "restored"), ("tier", "pvc")))
+            )
+            == 1
         ),
         what="restore counted",
     )

@@ -214,7 +214,7 @@ class LocalApi:
                 )
             except StageError as exc:
                 self._count_quarantines(exc.skipped)
-                self.metrics.restore_total.labels(tier="none", outcome="failed").inc()
+                self.metrics.stage_total.labels(tier="none", outcome="failed").inc()
                 raise ApiError(404, "stage_error", str(exc), {"skipped": exc.skipped}) from None
             if res.tier != self.ram.name:
                 self.ram.commit_slot(job, step, rank, res.path, res.manifest)
@@ -228,8 +228,8 @@ class LocalApi:
                 lock.release()
         seconds = time.perf_counter() - t0
         self._count_quarantines(res.skipped)
-        self.metrics.restore_total.labels(tier=res.tier, outcome="staged").inc()
-        self.metrics.restore_duration.labels(tier=res.tier).observe(seconds)
+        self.metrics.stage_total.labels(tier=res.tier, outcome="staged").inc()
+        self.metrics.stage_duration.labels(tier=res.tier).observe(seconds)
         log.info(
             "staged rank %d of step %d from %s (%d bytes, %.3fs)",
             rank,

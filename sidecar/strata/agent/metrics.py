@@ -11,8 +11,10 @@ strata_promotion_duration_seconds                      histogram  tier
 strata_promotion_bytes_total                           counter    tier
 strata_promotion_failures_total                        counter    tier
 strata_last_committed_step                             gauge      tier
-strata_restore_total                                   counter    tier, outcome
-strata_restore_duration_seconds                        histogram  tier
+strata_restore_total                                   counter    tier, outcome (client reports)
+strata_restore_duration_seconds                        histogram  tier (client reports)
+strata_stage_total                                     counter    tier, outcome
+strata_stage_duration_seconds                          histogram  tier
 strata_checksum_mismatches_total                       counter    tier
 strata_retention_deleted_steps_total                   counter    tier, reason
 strata_reports_dropped_total                           counter
@@ -67,13 +69,28 @@ class Metrics:
         )
         self.restore_total = Counter(
             "strata_restore",
-            "Shard restores (staging) by serving tier and outcome",
+            "Trainer restores reported by the client, by serving tier (none: nothing restored) "
+            "and outcome (restored, fresh-start, failed)",
             ["tier", "outcome"],
             registry=r,
         )
         self.restore_duration = Histogram(
             "strata_restore_duration_seconds",
-            "Time to stage one shard into RAM from a tier, seconds",
+            "Wall time of a trainer restore (inventory, staging, load) reported by the client, seconds",
+            ["tier"],
+            buckets=_TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.stage_total = Counter(
+            "strata_stage",
+            "Shards staged into RAM by the sidecar, by serving tier (none: no tier could serve) "
+            "and outcome (staged, failed)",
+            ["tier", "outcome"],
+            registry=r,
+        )
+        self.stage_duration = Histogram(
+            "strata_stage_duration_seconds",
+            "Time to stage one shard into RAM from a tier (copy and verify), seconds",
             ["tier"],
             buckets=_TRANSFER_BUCKETS,
             registry=r,

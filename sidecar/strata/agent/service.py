@@ -177,6 +177,11 @@ class Sidecar:
                 skipped=[str(s)[:512] for s in (event.get("skipped") or [])][:MAX_EVENTS],
                 rank=event.get("rank") if isinstance(event.get("rank"), int) else None,
             )
+            self.metrics.restore_total.labels(
+                tier=restore.tier or "none", outcome=restore.outcome
+            ).inc()
+            if restore.outcome == "restored" and restore.tier is not None:
+                self.metrics.restore_duration.labels(tier=restore.tier).observe(restore.seconds)
             with self._events_lock:
                 self._restores.append(restore)
             log.info(
