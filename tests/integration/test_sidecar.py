@@ -29,7 +29,7 @@ from strata.restore import StageError
 from strata.tiers.base import TierError, TierFull
 from strata.tiers.gcs import GcsTier
 from strata.tiers.posix import PosixTier
-from strata.tiers.ram import RamTier
+from strata.tiers.ram import RamTier, SlotsBusy
 from tests.fixtures.gcs import GcsEmulator
 from tests.fixtures.sidecar import (
     ReportReceiver,
@@ -280,6 +280,34 @@ def test_c06_no_tier_holds_a_step_is_a_clear_error_never_a_silent_step_0(
 
 
 # -- SIGTERM and SIGKILL ------------------------------------------------------------------------------
+
+
+def test_c05_saves_racing_promotions_never_tear_a_promoted_copy(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    """The trainer saves step after step (slots from the sidecar) while the sidecar promotes
+    every one of them: each PVC copy equals the bytes saved as that step; nothing hangs."""
+    pvc_root = tmp_path / "pvc"
+    config = config_for(
+        shm_dir, None, pvc={"path": str(pvc_root), "every": {"steps": 10}, "keep": 100}
+    )
+    sidecar_proc(config)
+    agent = connect(config.socket)
+    assert agent is not None
+    ram, pvc = RamTier(shm_dir, keep=1), PosixTier(pvc_root)
+    size = 4 * 1024 * 1024
+    saved, refused = [], 0
+    for step in range(10, 310, 10):
+        try:
+            write_ram_shard(ram, JOB, step, 0, payload(step, n=size), provider=agent)
+            saved.append(step)
+        except SlotsBusy:
+            refused += 1  # back-pressure: every slot still leased by promotion; never torn
+    wait_until(lambda: saved[-1] in pvc.complete_steps(JOB), what="the last step promoted")
+    promoted = pvc.complete_steps(JOB)
+    assert promoted and set(promoted) <= set(saved)
+    for step in promoted:
+        assert committed_bytes(pvc, step) == payload(step, n=size)
 
 
 def test_c14_sigterm_flushes_the_newest_ram_step_to_the_pvc_and_exits_0(
