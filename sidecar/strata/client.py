@@ -33,8 +33,9 @@ stage is excluded and the ranks re-plan together. No restorable step: a fresh st
 when ``restore.allow_fresh_start``, else :class:`RestoreError` naming the tiers searched.
 
 Seams for the sidecar (socket-backed implementations): ``slot_provider=`` (a
-:class:`strata.tiers.ram.SlotProvider`) and ``stager=`` (a :class:`Stager`). Without them the
-client reaches every tier directly (RAM and PVC as directories, GCS via
+:class:`strata.tiers.ram.SlotProvider`) and ``stager=`` (a :class:`Stager`). Without them, a
+ready sidecar answering on ``config.socket`` serves both (:func:`strata.agent.api_client.connect`);
+without a sidecar the client reaches every tier directly (RAM and PVC as directories, GCS via
 :class:`strata.tiers.gcs.GcsTier`, imported only when ``config.gcs`` is set).
 """
 
