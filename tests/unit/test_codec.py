@@ -97,10 +97,23 @@ small_tensors = st.builds(
     st.integers(0, 1000),
 )
 
+numpy_values = st.one_of(
+    st.builds(
+        lambda n, dt, seed: np.random.default_rng(seed).integers(0, 100, n).astype(dt),
+        st.integers(0, 6),
+        st.sampled_from(["<i8", "<u4", "<f4", "<f8", "?", "<c16"]),
+        st.integers(0, 99),
+    ),
+    st.integers(-(2**31), 2**31 - 1).map(np.int32),
+    st.floats(allow_nan=False, width=32).map(np.float32),
+    st.frozensets(st.integers(-5, 5), max_size=3),
+    st.sets(st.text(max_size=3), max_size=3),
+)
+
 keys = st.one_of(st.text(max_size=6), st.integers(-3, 10), st.sampled_from(["__tensor__", "__x"]))
 
 trees = st.recursive(
-    st.one_of(scalars, small_tensors),
+    st.one_of(scalars, small_tensors, numpy_values),
     lambda children: st.one_of(
         st.lists(children, max_size=4),
         st.lists(children, max_size=4).map(tuple),
