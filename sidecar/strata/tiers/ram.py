@@ -136,7 +136,7 @@ class SlotProvider(Protocol):
 
 
 @dataclass
-class _SlotState:
+class SlotState:
     path: Path
     size: int
     steps: list[tuple[int, bool]]
@@ -181,7 +181,7 @@ class LocalSlotProvider:
                 if name in taken:
                     continue
                 preallocate(d / name, size)
-                slots.append(_SlotState(d / name, size, []))
+                slots.append(SlotState(d / name, size, []))
         candidates = [s for s in slots if s.path not in exclude]
         # 1. free slots (no step links them), or only stale partial links (a killed writer).
         for s in sorted(candidates, key=lambda s: (s.size < nbytes, s.path.name)):
@@ -216,7 +216,7 @@ class LocalSlotProvider:
             "previous steps are intact. Raise ram.keep or save less often than promotion takes"
         )
 
-    def _claim(self, job_id: str, rank: int, s: _SlotState, nbytes: int) -> bool:
+    def _claim(self, job_id: str, rank: int, s: SlotState, nbytes: int) -> bool:
         fd = _try_lock(s.path, fcntl.LOCK_EX)
         if fd is None:
             return False
@@ -311,10 +311,10 @@ class RamTier(PosixTier):
     def slots_dir(self, job_id: str, rank: int) -> Path:
         return slots_dir(self.root, job_id, rank)
 
-    def slot_states(self, job_id: str, rank: int) -> list[_SlotState]:
+    def slot_states(self, job_id: str, rank: int) -> list[SlotState]:
         """Every slot of the rank with the steps that link to it (by inode)."""
         d = self.slots_dir(job_id, rank)
-        slots: dict[int, _SlotState] = {}
+        slots: dict[int, SlotState] = {}
         try:
             entries = list(os.scandir(d))
         except FileNotFoundError:
@@ -322,7 +322,7 @@ class RamTier(PosixTier):
         for e in entries:
             if _SLOT_RE.match(e.name):
                 st = e.stat()
-                slots[st.st_ino] = _SlotState(Path(e.path), st.st_size, [])
+                slots[st.st_ino] = SlotState(Path(e.path), st.st_size, [])
         steps_dir = self.root / layout.steps_prefix(job_id)
         stem = layout.shard_stem(rank)
         try:
