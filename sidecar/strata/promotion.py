@@ -154,7 +154,7 @@ class PromotionEngine:
     the local API with :meth:`add_ranks`). ``policies``: default :func:`tier_policies(config)`.
     ``max_workers``: shards copied concurrently (bounded so promotion stays off the trainer's
     CPU budget). ``lease_timeout``: seconds to wait for a slot's writer before skipping the shard
-    this round. Thread-safe: rounds are serialised by an internal lock.
+    this round. Thread-safe: work on a tier is serialised by that tier's lock.
     """
 
     def __init__(
@@ -328,6 +328,7 @@ class PromotionEngine:
         manifests = self._ram_manifests(step, ranks, seal) if step is not None else None
         if step is not None and manifests is not None:
             result.ram_step = step
+        self._forget_older_than(step)
         for name in self.durable:
             if force_tier is not None and name != force_tier:
                 continue
@@ -341,6 +342,15 @@ class PromotionEngine:
                 if force_tier is None:
                     self._maintain_if_due(name, ranks, result)
         return result
+
+    def _forget_older_than(self, step: int | None) -> None:
+        """Drop bookkeeping of steps older than the newest RAM step (bounded memory)."""
+        if step is None:
+            return
+        for key in [k for k in self._unverified_since if k[0] < step]:
+            self._unverified_since.pop(key, None)
+        for akey in [k for k in self._attempts if k[1] < step]:
+            self._attempts.pop(akey, None)
 
     def _promote_if_due(
         self,
