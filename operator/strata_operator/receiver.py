@@ -83,6 +83,8 @@ class EventSpec:
     type: str
     reason: str
     message: str
+    key: str = ""
+    """Identity of what the event is about (job, pod, rank, time): a re-sent report repeats it."""
 
 
 # --- folding (pure) ---------------------------------------------------------------------------
@@ -127,12 +129,14 @@ def fold_report(
             steps[tier] = state.newest_complete_step
     events: list[EventSpec] = []
     where = f"job {report.job_id} (pod {report.pod_name})"
+    source = f"{report.job_id}|{report.pod_uid or report.pod_name}"
 
     last_restore = old.get("lastRestore")
     old_restore_time = _parse_time((last_restore or {}).get("time"))
     for restore in sorted(report.restores, key=lambda r: r.time):
-        # Stored times have whole seconds (metav1.Time style): compare at that precision.
-        if old_restore_time is not None and _whole(restore.time) <= old_restore_time:
+        # Stored times have whole seconds (metav1.Time style). Several ranks restore within the
+        # same second, so only strictly older restores are skipped; repeats are filtered by key.
+        if old_restore_time is not None and _whole(restore.time) < old_restore_time:
             continue
         entry: dict[str, Any] = {"outcome": restore.outcome, "time": _fmt(restore.time)}
         if restore.tier is not None:
@@ -143,6 +147,7 @@ def fold_report(
         last_restore = entry
         old_restore_time = _whole(restore.time)
         rank = "" if restore.rank is None else f" rank {restore.rank}"
+        key = f"{source}|restore|{restore.rank}|{restore.time.isoformat()}"
         skipped = f"; skipped: {', '.join(restore.skipped)}" if restore.skipped else ""
         if restore.outcome == "restored":
             events.append(
@@ -151,6 +156,7 @@ def fold_report(
                     REASON_RESTORED,
                     f"{where}{rank} restored step {restore.step} from tier {restore.tier} in "
                     f"{restore.seconds:.2f} s ({restore.bytes} bytes){skipped}",
+                    key,
                 )
             )
         elif restore.outcome == "fresh-start":
@@ -160,6 +166,7 @@ def fold_report(
                     REASON_FRESH_START,
                     f"{where}{rank} found no restorable step and started from scratch "
                     f"(restore.allowFreshStart){skipped}",
+                    key,
                 )
             )
         else:
@@ -168,13 +175,14 @@ def fold_report(
                     "Warning",
                     REASON_RESTORE_FAILED,
                     f"{where}{rank} could not restore any step{skipped}",
+                    key,
                 )
             )
 
     last_error = old.get("lastError")
     old_error_time = _parse_time((last_error or {}).get("time"))
     for error in sorted(report.errors, key=lambda e: e.time):
-        if old_error_time is not None and _whole(error.time) <= old_error_time:
+        if old_error_time is not None and _whole(error.time) < old_error_time:
             continue
         last_error = {"message": error.message[:2048], "time": _fmt(error.time)}
         if error.tier is not None:
@@ -182,7 +190,12 @@ def fold_report(
         old_error_time = _whole(error.time)
         part = f"tier {error.tier}" if error.tier else "sidecar"
         events.append(
-            EventSpec("Warning", REASON_TIER_FAILED, f"{where}: {part} failed: {error.message}")
+            EventSpec(
+                "Warning",
+                REASON_TIER_FAILED,
+                f"{where}: {part} failed: {error.message}",
+                f"{source}|error|{error.tier}|{error.time.isoformat()}",
+            )
         )
 
     entry_job = api.JobStatus.model_validate(
@@ -215,6 +228,18 @@ class ReceiverState:
     runner: web.AppRunner | None = None
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     warned_pods: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    posted: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    """Keys of events already posted (a re-sent report must not repeat them); bounded."""
+
+    def first_time(self, key: str) -> bool:
+        if not key:
+            return True
+        if key in self.posted:
+            return False
+        self.posted[key] = None
+        while len(self.posted) > 10_000:
+            self.posted.popitem(last=False)
+        return True
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -421,7 +446,8 @@ async def _handle(state: ReceiverState, request: web.Request) -> dict[str, Any]:
         else:
             raise Rejected(409, "status-conflict", "the policy status kept changing; retry")
     for event in events:
-        await asyncio.to_thread(post_event, state.core_api, policy, event)
+        if state.first_time(event.key):
+            await asyncio.to_thread(post_event, state.core_api, policy, event)
     return {"accepted": True, "jobId": report.job_id, "events": len(events)}
 
 
