@@ -166,7 +166,10 @@ class Binaries:
         }
         stages = bin_dir / "kwok-stages"
         missing = [name for name, path in found.items() if path is None]
-        missing += [f"kwok-stages/{f}" for f in _STAGE_FILES if not (stages / f).is_file()]
+        if not stages.is_dir():
+            missing.append(f"{stages.name}/")
+        else:
+            missing += [f"{stages.name}/{f}" for f in _STAGE_FILES if not (stages / f).is_file()]
         if missing:
             raise BinariesMissing(
                 f"control-plane binaries missing: {', '.join(missing)} (looked in "
