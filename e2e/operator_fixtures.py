@@ -72,7 +72,6 @@ class OperatorProcess:
             "-m",
             "strata_operator",
             f"--kubeconfig={self.cluster.kubeconfig}",
-            "--verbose",
             "--no-bucket-check",
             f"--webhook-port={self.webhook_port}",
             "--webhook-listen=127.0.0.1",
