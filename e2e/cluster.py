@@ -882,6 +882,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__)
     parser.add_argument("command", choices=["up", "down", "status"])
     parser.add_argument("--dir", type=Path, default=DEFAULT_STATE_DIR, help="state directory")
+    parser.add_argument(
+        "--fake-nodes",
+        type=int,
+        default=1,
+        help="up: number of Ready kwok nodes to create (kwok-node-0, ...); default 1",
+    )
     args = parser.parse_args(argv)
     directory: Path = args.dir
     if args.command == "status":
@@ -906,7 +912,16 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterError as err:
         print(f"cluster failed to start: {err}", file=sys.stderr)
         return 1
+    try:
+        for i in range(args.fake_nodes):
+            cluster.create_fake_node(f"kwok-node-{i}")
+    except (ClusterError, OSError) as err:
+        cluster.stop()
+        print(f"fake nodes not Ready: {err}", file=sys.stderr)
+        return 1
     print(f"control plane ready in {seconds:.1f} s at {cluster.server}")
+    if args.fake_nodes:
+        print(f"fake nodes: kwok-node-0 .. kwok-node-{args.fake_nodes - 1} (Ready)")
     for name, pid in cluster.pids().items():
         print(f"  {name:24s} pid {pid}")
     print(f"logs: {directory / 'logs'}")
