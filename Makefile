@@ -25,7 +25,7 @@ venv: $(STAMP) ## create .venv and install strata with all extras
 demo: $(STAMP) ## the main job: train a small LM, checkpoint through RAM -> PVC -> GCS, recover from each tier
 	$(BIN)/python -m strata.demo $(DEMO_ARGS)
 
-test: $(STAMP) lint crds-check tools manifests-check ## every test: lint, CRD freshness, unit, integration, e2e
+test: $(STAMP) lint typecheck crds-check tools manifests-check ## every test: lint, CRD freshness, unit, integration, e2e
 	$(BIN)/python -m pytest -p no:cacheprovider tests e2e $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## unit tests only

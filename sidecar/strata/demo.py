@@ -91,11 +91,13 @@ def _build(seed: int) -> tuple[Any, Any, Any, Any]:
             self.head = nn.Linear(dim, vocab_size, bias=False)
             self.head.weight = self.embed.weight  # tied weights: must restore as tied
             mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
-            self.register_buffer("mask", mask, persistent=False)
+            self.causal: torch.Tensor
+            self.register_buffer("causal", mask, persistent=False)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.embed(x) + self.pos[: x.shape[1]]
-            h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+            n = x.shape[1]
+            h = self.blocks(h, mask=self.causal[:n, :n], is_causal=True)
             return self.head(self.norm(h))  # type: ignore[no-any-return]
 
     model = CharLM(len(vocab))
@@ -115,7 +117,7 @@ def _train_step(model: Any, optim: Any, data: Any, gen: Any, batch: int = 16) ->
     logits = model(x)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     optim.zero_grad(set_to_none=True)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     optim.step()
     return float(loss.detach())
 
@@ -408,6 +410,7 @@ class Demo:
 
     def sigkill_trainer(self) -> None:
         proc = self._last
+        assert proc is not None, "no trainer was started"
         proc.kill()
         proc.wait()
         if proc.stdout:
@@ -498,7 +501,7 @@ class Demo:
 
             client = storage.Client(
                 project="demo",
-                credentials=AnonymousCredentials(),
+                credentials=AnonymousCredentials(),  # type: ignore[no-untyped-call]
                 client_options={"api_endpoint": endpoint},
             )
         else:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from strata.config import TierName
 
 REPORT_PATH = "/v1/reports"
-REPORT_VERSION = 1
+REPORT_VERSION: Literal[1] = 1
 MAX_EVENTS = 16
 
 
