@@ -337,11 +337,49 @@ class PromotionEngine:
             with self._tier_locks[name]:
                 if not self._init_tier(name, ranks):
                     continue
-                if step is not None and manifests is not None:
-                    self._promote_if_due(name, step, manifests, force_tier == name, result)
+                force = force_tier == name
+                tier_step, tier_manifests = step, manifests
+                if not force and self._steps_only(name):
+                    tier_step = self._aligned_step(name, ranks)
+                    if tier_step != step:
+                        tier_manifests = (
+                            None
+                            if tier_step is None
+                            else self._ram_manifests(tier_step, ranks, seal)
+                        )
+                if tier_step is not None and tier_manifests is not None:
+                    self._promote_if_due(name, tier_step, tier_manifests, force, result)
                 if force_tier is None:
                     self._maintain_if_due(name, ranks, result)
         return result
+
+    def _steps_only(self, name: TierName) -> bool:
+        tier_cfg = self.config.pvc if name == "pvc" else self.config.gcs
+        return (
+            tier_cfg is not None
+            and tier_cfg.every.steps is not None
+            and tier_cfg.every.seconds is None
+        )
+
+    def _aligned_step(self, name: TierName, ranks: set[int]) -> int | None:
+        """For a steps-only interval, the newest RAM step on a multiple of ``every.steps``.
+
+        Every pod's sidecar then promotes the same steps, so a durable tier holds *complete*
+        steps even when ranks of different pods are at different steps when their sidecars
+        look (a sidecar that promoted "the newest step" would pick 8 on one pod and 11 on
+        another, and the tier would never hold all ranks of one step). None: not a steps-only
+        interval (seconds-based tiers promote the newest step), or no aligned step in RAM.
+        """
+        tier_cfg = self.config.pvc if name == "pvc" else self.config.gcs
+        if tier_cfg is None or tier_cfg.every.steps is None:
+            return None
+        n = tier_cfg.every.steps
+        steps = [
+            s
+            for s, listing in self.ram_steps().items()
+            if s % n == 0 and ranks <= listing.committed_ranks
+        ]
+        return max(steps) if steps else None
 
     def _forget_older_than(self, step: int | None) -> None:
         """Drop bookkeeping of steps older than the newest RAM step (bounded memory)."""

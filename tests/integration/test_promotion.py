@@ -251,3 +251,36 @@ def test_one_sidecar_serves_several_ranks_and_promotes_only_steps_all_of_them_co
     assert engine.promote_once().promoted == {"pvc": 20}
     assert pvc.complete_steps(JOB) == [20]
     assert pvc_bytes(pvc, 20, 1) == payload(20, 1)
+
+
+def test_pods_at_different_steps_promote_the_same_aligned_step_so_the_pvc_step_is_complete(
+    tmp_path: Path,
+) -> None:
+    """Two pods (one rank each, own RAM, own sidecar) look at different moments: rank 0 has
+    saved up to step 80, rank 1 up to step 110. With pvc.every.steps=20 both must promote a
+    multiple of 20 that both hold, never "their newest", or the PVC never holds a complete step.
+    """
+    pvc_root = tmp_path / "pvc"
+    engines = []
+    for rank, newest in ((0, 80), (1, 110)):
+        ram_root = tmp_path / f"ram-{rank}"
+        config = make_config(ram_root, pvc_root)
+        ram = RamTier(ram_root, keep=5)
+        for step in range(newest - 40, newest + 1, 10):
+            write_ram_shard(ram, JOB, step, rank, payload(step, rank), world_size=2)
+        engines.append(PromotionEngine(config, ram, {"pvc": PosixTier(pvc_root)}))
+    for engine in engines:
+        engine.promote_once()
+    pvc = PosixTier(pvc_root)
+    listing = pvc.list_steps(JOB)
+    promoted = {step: sorted(entry.committed_ranks) for step, entry in listing.items()}
+    assert all(step % 20 == 0 for step in promoted), promoted
+    assert promoted[80] == [0] and promoted[100] == [1]
+    # Rank 0 catches up to step 100 (its RAM now holds it): the PVC's step 100 becomes complete.
+    ram0 = engines[0].ram
+    for step in (90, 100):
+        write_ram_shard(ram0, JOB, step, 0, payload(step, 0), world_size=2)
+    engines[0].promote_once()
+    assert pvc.newest_complete_step(JOB) == 100
+    assert pvc_bytes(pvc, 100, 1) == payload(100, 1)
+    assert pvc_bytes(pvc, 100, 0) == payload(100, 0)
