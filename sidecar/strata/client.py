@@ -504,7 +504,7 @@ class Checkpointer:
                 "kind": "restore",
                 "outcome": outcome,
                 "step": result.step,
-                "tier": result.tier,
+                "tier": result.tiers.get(self.rank, result.tier),
                 "nbytes": result.nbytes,
                 "seconds": result.seconds,
                 "skipped": result.skipped[:16],
