@@ -41,7 +41,7 @@ from typing import Any
 
 import kopf
 
-from strata_operator import api
+from strata_operator import api, metrics
 from strata_operator import conditions as c
 from strata_operator.reconcile import (
     InvalidSpec,
@@ -215,6 +215,21 @@ def reconcile_policy(
     clients: Clients = memo["clients"]
     assert namespace is not None  # the CRD is namespaced
     old_status = dict(status)
+    with metrics.timed_reconcile():
+        _reconcile_and_report(body, spec, old_status, namespace, name, meta, opts, clients, logger)
+
+
+def _reconcile_and_report(
+    body: kopf.Body,
+    spec: kopf.Spec,
+    old_status: dict[str, Any],
+    namespace: str,
+    name: str,
+    meta: kopf.Meta,
+    opts: Options,
+    clients: Clients,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> None:
     try:
         outcome = _reconcile(dict(spec), old_status, namespace, opts, clients)
         patch = new_status(old_status, outcome, generation=meta.get("generation"))
