@@ -444,6 +444,15 @@ def _sidecar_resources(
     return {"requests": requests, "limits": limits}
 
 
+def _training_security(pod_spec: Mapping[str, Any]) -> Mapping[str, Any]:
+    """securityContext of the first training container that sets a non-root runAsUser."""
+    for container in pod_spec.get("containers") or []:
+        sc = container.get("securityContext") or {}
+        if isinstance(sc.get("runAsUser"), int) and sc["runAsUser"] > 0:
+            return sc  # type: ignore[no-any-return]
+    return {}
+
+
 def _sidecar_container(
     pod_spec: Mapping[str, Any],
     pol: CheckpointPolicySpec,
@@ -463,8 +472,14 @@ def _sidecar_container(
     }
     pod_security = pod_spec.get("securityContext") or {}
     if not pod_security.get("runAsUser"):
-        # Without a numeric UID, runAsNonRoot needs the image's USER to be numeric; be explicit.
-        security["runAsUser"] = settings.run_as_user
+        # The sidecar creates the slot files and step directories the trainer writes into (and
+        # deletes the trainer's): run it as the training container's UID/GID when one is set,
+        # so both sides own the RAM tier. Otherwise a numeric non-root UID of our own, since
+        # runAsNonRoot needs a numeric UID when the image's USER is a name.
+        trainer = _training_security(pod_spec)
+        security["runAsUser"] = trainer.get("runAsUser") or settings.run_as_user
+        if trainer.get("runAsGroup") and not pod_security.get("runAsGroup"):
+            security["runAsGroup"] = trainer["runAsGroup"]
     mounts = _tier_mounts(pol, config)
     mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
     container: Obj = {

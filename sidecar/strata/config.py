@@ -170,7 +170,9 @@ class SidecarConfig(_Frozen):
             try:
                 loaded = json.loads(env[ENV_CONFIG])
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{ENV_CONFIG} is not valid JSON ({exc}); it is set by the webhook") from exc
+                raise ConfigError(
+                    f"{ENV_CONFIG} is not valid JSON ({exc}); it is set by the webhook"
+                ) from exc
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{ENV_CONFIG} must be a JSON object")
             raw.update(loaded)

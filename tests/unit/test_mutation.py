@@ -181,6 +181,18 @@ def test_restricted_pod_stays_restricted() -> None:
     assert sidecar_of(inject(bare))["securityContext"]["runAsUser"] == SETTINGS.run_as_user
 
 
+def test_sidecar_runs_as_the_trainers_uid_so_both_own_the_ram_tier() -> None:
+    """The sidecar allocates slot files the trainer writes and prunes the trainer's steps: a
+    trainer running as UID 1234 (container-level) gets a sidecar running as 1234 too."""
+    pod = training_pod().obj()
+    pod["spec"]["containers"][0]["securityContext"] = {"runAsUser": 1234, "runAsGroup": 2345}
+    security = sidecar_of(inject(pod))["securityContext"]
+    assert (security["runAsUser"], security["runAsGroup"]) == (1234, 2345)
+    # A pod-level UID applies to every container, the sidecar included: nothing to set.
+    restricted = training_pod().restricted().obj()
+    assert "runAsUser" not in sidecar_of(inject(restricted))["securityContext"]
+
+
 def test_hostpath_medium_is_flagged_by_the_checker() -> None:
     pod = inject(training_pod().restricted().obj(), policy_obj(medium="HostPath"))
     vol = next(v for v in pod["spec"]["volumes"] if v["name"] == RAM_VOLUME)
