@@ -83,11 +83,15 @@ class Tier(abc.ABC):
         """The committed manifest; :class:`ShardUnavailable` if absent, ShardCorrupt if malformed."""
 
     @abc.abstractmethod
-    def put_shard(self, job_id: str, step: int, rank: int, src_path: Path, manifest: Manifest) -> int:
+    def put_shard(
+        self, job_id: str, step: int, rank: int, src_path: Path, manifest: Manifest
+    ) -> int:
         """Commit a shard from a local file (see the module docstring); returns bytes written."""
 
     @abc.abstractmethod
-    def fetch_shard(self, job_id: str, step: int, rank: int, dst_path: Path, verify: bool = True) -> Manifest:
+    def fetch_shard(
+        self, job_id: str, step: int, rank: int, dst_path: Path, verify: bool = True
+    ) -> Manifest:
         """Copy the data object into local ``dst_path`` (created/overwritten) and return its manifest.
 
         With ``verify`` the copied bytes are checked against the manifest's CRC32C; a mismatch
