@@ -54,7 +54,7 @@ import collections
 import math
 import mmap
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +66,8 @@ from strata.manifest import ALIGN, DEFAULT_CHUNK_SIZE, Manifest, StorageEntry, T
 TENSOR_TAG = "__tensor__"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _COPY_PIECE = 8 * 1024 * 1024
+_MIN_TASK_BYTES = 1024 * 1024
+"""Below this, a copy is not worth a thread hand-off."""
 """Bytes per copy task: big storages are split so several threads share one copy."""
 
 Buffer = bytearray | memoryview | mmap.mmap
@@ -195,13 +197,15 @@ class _Encoder:
             offset = -(-self.nbytes // ALIGN) * ALIGN
             n = st.nbytes()
             sidx = len(self.storages)
-            self.storages.append(StorageEntry(offset=offset, nbytes=n))
+            # model_construct: the values come from torch itself; validation per entry would
+            # cost more than copying a small tensor (W3: 10,000 tensors of 16 KB).
+            self.storages.append(StorageEntry.model_construct(offset=offset, nbytes=n))
             src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
             self.sources.append(src)
             self.by_storage[key] = sidx
             self.nbytes = offset + n
         self.tensors.append(
-            TensorEntry(
+            TensorEntry.model_construct(
                 storage=sidx,
                 dtype=_dtype_name(t.dtype),
                 shape=list(t.shape),
@@ -356,29 +360,42 @@ def write_data(enc: EncodedState, dst: Buffer | torch.Tensor, pool: Executor | N
         raise ValueError(
             f"destination holds {out.numel()} bytes, the state needs {enc.data_nbytes}"
         )
-    tasks: list[Callable[[], None]] = []
+    pieces: list[tuple[int, int, torch.Tensor]] = []  # (offset, nbytes, source)
     end = 0
     for entry, src in zip(enc.storages, enc.sources, strict=True):
         if entry.offset > end:
             out[end : entry.offset].zero_()
         for start in range(0, entry.nbytes, _COPY_PIECE):
             stop = min(start + _COPY_PIECE, entry.nbytes)
-            a, b = entry.offset + start, entry.offset + stop
-            tasks.append(_copy_task(out[a:b], src[start:stop]))
+            pieces.append((entry.offset + start, stop - start, src[start:stop]))
         end = entry.offset + entry.nbytes
-    if pool is None or len(tasks) <= 1:
-        for task in tasks:
-            task()
-    else:
-        for fut in [pool.submit(task) for task in tasks]:
-            fut.result()
+    if pool is None or len(pieces) <= 1:
+        _copy_pieces(out, pieces)
+        return
+    # One task per ~equal share of the bytes, not one per tensor: a task costs ~10 us of
+    # scheduling, more than copying a small tensor (many-small-tensor states, W3 of bench/).
+    workers = max(1, getattr(pool, "_max_workers", 4))
+    share = max(_MIN_TASK_BYTES, -(-end // workers))
+    groups: list[list[tuple[int, int, torch.Tensor]]] = [[]]
+    acc = 0
+    for piece in pieces:
+        if acc >= share:
+            groups.append([])
+            acc = 0
+        groups[-1].append(piece)
+        acc += piece[1]
+    if len(groups) == 1:
+        _copy_pieces(out, groups[0])
+        return
+    futures = [pool.submit(_copy_pieces, out, group) for group in groups[1:]]
+    _copy_pieces(out, groups[0])  # the calling thread works too
+    for fut in futures:
+        fut.result()
 
 
-def _copy_task(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
-    def run() -> None:
-        dst.copy_(src)
-
-    return run
+def _copy_pieces(out: torch.Tensor, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
+    for offset, nbytes, src in pieces:
+        out[offset : offset + nbytes].copy_(src)
 
 
 def dumps(state: Any) -> tuple[EncodedState, bytearray]:
