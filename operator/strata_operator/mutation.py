@@ -449,7 +449,7 @@ def _training_security(pod_spec: Mapping[str, Any]) -> Mapping[str, Any]:
     for container in pod_spec.get("containers") or []:
         sc = container.get("securityContext") or {}
         if isinstance(sc.get("runAsUser"), int) and sc["runAsUser"] > 0:
-            return sc  # type: ignore[no-any-return]
+            return sc
     return {}
 
 
