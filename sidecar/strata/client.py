@@ -73,6 +73,7 @@ from strata.tiers.posix import PosixTier
 from strata.tiers.ram import (
     LocalSlotProvider,
     RamTier,
+    ReuseFirstSlotProvider,
     SlotLease,
     SlotMaps,
     SlotProvider,
@@ -251,7 +252,9 @@ class Checkpointer:
             from strata.agent.api_client import connect
 
             agent = connect(self.config.socket)
-            slot_provider, stager = agent, agent
+            if agent is not None:
+                reuse = LocalSlotProvider(self.ram, keep=self.config.ram.keep, allocate=False)
+                slot_provider, stager = ReuseFirstSlotProvider(reuse, agent), agent
         self.slot_provider: SlotProvider = slot_provider or LocalSlotProvider(
             self.ram, keep=self.config.ram.keep
         )

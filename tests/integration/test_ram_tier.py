@@ -15,7 +15,9 @@ from strata.tiers.ram import (
     SLOT_ALIGN,
     LocalSlotProvider,
     RamTier,
+    ReuseFirstSlotProvider,
     SlotLease,
+    SlotProvider,
     SlotsBusy,
     SlotWriteLock,
     slots_dir,
@@ -26,9 +28,7 @@ pytestmark = pytest.mark.integration
 JOB = "ns.train"
 
 
-def commit(
-    tier: RamTier, provider: LocalSlotProvider, step: int, payload: bytes, rank: int = 0
-) -> Path:
+def commit(tier: RamTier, provider: SlotProvider, step: int, payload: bytes, rank: int = 0) -> Path:
     """What the client does: lock a slot, write into it, commit; returns the slot path."""
     with SlotWriteLock.acquire(provider, JOB, rank, len(payload)) as slot:
         with open(slot, "r+b") as f:
@@ -148,3 +148,35 @@ def test_enospc_on_slot_allocation(small_tmpfs: Callable[[int], Path]) -> None:
     assert tier.data_path(JOB, 1, 0).read_bytes()[:1000] == b"x" * 1000
     sizes = sorted(os.stat(p).st_size for p in slots_dir(root, JOB, 0).iterdir())
     assert sizes == [SLOT_ALIGN, SLOT_ALIGN]  # the failed growth was undone
+
+
+class CountingAllocator:
+    """The sidecar's role: allocates (and pre-faults) slots; counts how often it is asked."""
+
+    def __init__(self, tier: RamTier, keep: int) -> None:
+        self.provider = LocalSlotProvider(tier, keep=keep)
+        self.calls = 0
+
+    def acquire_slot(self, job_id: str, rank: int, nbytes: int, exclude: object = ()) -> Path:
+        self.calls += 1
+        return self.provider.acquire_slot(job_id, rank, nbytes)
+
+
+def test_saves_reuse_free_slots_locally_and_ask_the_allocator_only_to_allocate(
+    shm_dir: Path,
+) -> None:
+    tier = RamTier(shm_dir, keep=1)
+    allocator = CountingAllocator(tier, keep=1)
+    provider = ReuseFirstSlotProvider(LocalSlotProvider(tier, keep=1, allocate=False), allocator)
+    commit(tier, provider, 10, b"a" * 5000)
+    assert allocator.calls == 1  # the ring did not exist: the allocator built it
+    for step in range(20, 101, 10):
+        commit(tier, provider, step, bytes([step]) * 5000)
+    assert allocator.calls == 1  # every later save reused a slot without a round trip
+    assert tier.newest_complete_step(JOB) == 100
+    # A state that outgrows the slots goes back to the allocator, which grows one.
+    big = b"b" * (4 * 1024 * 1024)
+    commit(tier, provider, 110, big)
+    assert allocator.calls == 2
+    with SlotLease(tier, JOB, 110, 0) as lease:
+        assert lease.path.read_bytes()[: len(big)] == big
