@@ -38,6 +38,19 @@ def _cfr_once(src: Path, dst_dir: Path) -> None:
         os.close(fout)
 
 
+_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+
+
+def _ioprio(klass: int, level: int) -> None:
+    """ioprio_set(IOPRIO_WHO_PROCESS, self, class << 13 | level); no wrapper in ``os``."""
+    import ctypes
+    import platform
+
+    nr = _SYS_IOPRIO_SET.get(platform.machine())
+    if nr is not None:
+        ctypes.CDLL(None, use_errno=True).syscall(nr, 1, 0, klass << 13 | level)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--ready", type=Path, required=True)
@@ -49,18 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["strata", "cfr"], default="strata")
     ap.add_argument(
         "--priority",
-        choices=["normal", "idle"],
+        choices=["normal", "nice", "idle"],
         default="normal",
-        help="idle: SCHED_IDLE CPU class and the idle I/O class (what a sidecar can ask for)",
+        help="nice: nice 19 + best-effort I/O level 7; idle: SCHED_IDLE + the idle I/O class "
+        "(both allowed unprivileged, i.e. what a sidecar can ask for itself)",
     )
     args = ap.parse_args(argv)
-    if args.priority == "idle":
+    if args.priority == "nice":
+        os.nice(19)
+        _ioprio(2, 7)
+    elif args.priority == "idle":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        # ioprio_set(IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << 13): no wrapper in os.
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall(251, 1, 0, 3 << 13)  # SYS_ioprio_set on x86_64
+        _ioprio(3, 0)
 
     stop = False
 

@@ -82,7 +82,7 @@ class Bench:
         self.disk.mkdir(parents=True, exist_ok=True)
         self.sections: dict[str, dict[str, Any]] = {}
         self.ratios: dict[str, float] = {}
-        self.notes: list[str] = []
+        self.notes: list[str] = list(args.note)
         self.tables: list[str] = []
 
     # -- helpers ---------------------------------------------------------------------------
@@ -418,8 +418,9 @@ class Bench:
         variants = {"": (max(1, self.threads - 1), prio)}
         if self.threads > 1:
             variants["_all_threads"] = (self.threads, prio)
-        if prio != "idle":
-            variants["_idle_priority"] = (max(1, self.threads - 1), "idle")
+        for other in ("nice", "idle"):
+            if prio != other:
+                variants[f"_{other}_priority"] = (max(1, self.threads - 1), other)
         for suffix, (threads, priority) in variants.items():
             loop = StepLoop(threads, target_s=0.1 * self.args.step_scale)
             promotions = [0]
@@ -610,9 +611,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--promoter-priority",
-        choices=["normal", "idle"],
+        choices=["normal", "nice", "idle"],
         default="normal",
-        help="CPU/IO class of the background promoter (idle: SCHED_IDLE + ionice idle)",
+        help="CPU/IO class of the background promoter for interference_fraction (normal: what "
+        "the sidecar does today; nice: nice 19 + I/O best-effort 7; idle: SCHED_IDLE + I/O idle)",
     )
     ap.add_argument("--skip-gcs", action="store_true")
     ap.add_argument("--shm-dir", default="/dev/shm")
@@ -623,6 +625,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--name", default="latest", help="output basename (<out>/<name>.json, .png)")
+    ap.add_argument("--note", action="append", default=[], help="free text recorded in notes")
     ap.add_argument(
         "--smoke",
         action="store_true",
