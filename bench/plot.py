@@ -46,9 +46,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
             continue
         bound = float(t["target"].split()[1])
         # Normalise so that 1.0 is the target and smaller is better for every figure.
-        norm = v / bound if t["target"].startswith("<=") else bound / v if v > 0 else math.inf
-        if key == "interference_fraction":
-            norm = (1 + v) / (1 + bound)
+        if t["target"].startswith("<="):
+            norm = max(v, 0.0) / bound
+        else:
+            norm = bound / v if v > 0 else math.inf
         keys.append(f"{key}\n{v:.3g} (target {t['target']})")
         vals.append(norm)
         ok.append(t["holds"])
@@ -66,3 +67,17 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.plot RESULTS.json OUT.png``: redraw a plot from a results file."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    plot(json.loads(Path(args[0]).read_text()), Path(args[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

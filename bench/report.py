@@ -25,7 +25,8 @@ def render(report: dict[str, Any]) -> str:
     out: list[str] = []
     m = report["machine"]
     out.append(
-        f"Run of {report['generated']} on {m['cpus']} CPUs ({m['cpu']}), torch {m['torch']}, "
+        f"Run of {report['generated']} (git {m.get('git_commit', '?')}) on {m['cpus']} CPUs "
+        f"({m['cpu']}), torch {m['torch']}, "
         f"kernel {m['kernel']}; arguments: `{' '.join(report['argv']) or '(defaults)'}`; "
         f"{report['elapsed_s']:.0f} s."
     )

@@ -16,6 +16,8 @@ import math
 import os
 import platform
 import shutil
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -556,7 +558,18 @@ def machine_info(threads: int) -> dict[str, Any]:
             cpu = line.split(":", 1)[1].strip()
             break
     mem = read("/proc/meminfo").splitlines()[0] if read("/proc/meminfo") != "?" else "?"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = "?"
     return {
+        "git_commit": commit or "?",
         "cpu": cpu,
         "cpus": os.cpu_count(),
         "threads_used": threads,
@@ -601,7 +614,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--threads", type=int, default=0, help="threads for 'all threads' cases (default: all CPUs)"
     )
     ap.add_argument(
-        "--interference-steps", type=int, default=12, help="training steps per interference window"
+        "--interference-steps", type=int, default=30, help="training steps per interference window"
     )
     ap.add_argument(
         "--step-scale",
@@ -643,6 +656,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A SIGTERM (timeout, CI) unwinds like Ctrl-C, so the finally below frees /dev/shm.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     bench = Bench(args)
     try:
         report = bench.run()
