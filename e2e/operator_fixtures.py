@@ -1,6 +1,6 @@
 """The Strata operator as a real subprocess against the local control plane (pytest fixtures).
 
-- ``strata_operator`` (session): CRDs applied, the operator started with its own generated TLS
+- ``strata_operator`` (module): CRDs applied, the operator started with its own generated TLS
   (``python -m strata_operator``: kopf, the webhook on a free port, the report receiver, metrics)
   and ready: the MutatingWebhookConfiguration carries the operator's CA and the ports answer.
   Tests may stop, restart (new certificate) or reconfigure it; the fixture leaves it running with
@@ -236,11 +236,13 @@ def ensure_namespace(cluster: LocalCluster, name: str) -> None:
             raise
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def strata_operator(
     k8s_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    """The running operator (see the module docstring)."""
+    """The running operator (see the module docstring). Module-scoped: its webhook configuration
+    matches every labelled pod in the cluster, so it must not outlive the tests that use it
+    (test_helm.py runs its own operator from the chart and asserts what *that* one injected)."""
     apply_crds(k8s_cluster)
     ensure_namespace(k8s_cluster, OPERATOR_NAMESPACE)
     op = OperatorProcess(k8s_cluster, tmp_path_factory.mktemp("operator"))

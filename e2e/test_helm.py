@@ -603,6 +603,7 @@ def test_install_inject_upgrade_uninstall(
         for pod in wait_for("the Job's 2 pods", injected_pods, log=log):
             sidecars = [c for c in pod["spec"]["initContainers"] if c["name"] == SIDECAR_NAME]
             assert len(sidecars) == 1 and sidecars[0]["restartPolicy"] == "Always"
+            # The policy names no image: the operator's --sidecar-image (chart sidecar.image).
             assert sidecars[0]["image"] == "ghcr.io/strata-dev/strata:0.1.0"
             assert pod["metadata"]["annotations"][INJECTED_ANNOTATION] == "demo"
         metrics = (

@@ -59,6 +59,10 @@ class InvalidSpec(ReconcileError):
         super().__init__(c.REASON_INVALID_SPEC, message)
 
 
+class ApiForbidden(ReconcileError):
+    """The operator's service account may not read an object it checks (RBAC)."""
+
+
 class ApiUnavailable(ReconcileError):
     """The Kubernetes API failed (5xx, connection); retry soon."""
 
@@ -288,7 +292,7 @@ def _read_json(call: Any, *args: Any, timeout: float) -> dict[str, Any] | None:
         if status == 404:
             return None
         if status == 403:
-            raise ReconcileError(
+            raise ApiForbidden(
                 c.REASON_API_ERROR,
                 f"the operator may not read {call.__name__} {args!r}: {exc.reason}; "
                 "grant it get on persistentvolumeclaims, secrets and namespaces",
@@ -343,7 +347,7 @@ def gather(
                 secret = _read_json(
                     core_v1.read_namespaced_secret, ref.name, namespace, timeout=api_timeout
                 )
-            except ReconcileError:
+            except ApiForbidden:
                 # The chart grants nothing cluster-wide on Secrets (least privilege): without a
                 # namespaced Role the operator cannot look inside; the sidecar still can.
                 bucket_fact = BucketFact(
