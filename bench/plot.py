@@ -47,7 +47,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         bound = float(t["target"].split()[1])
         # Normalise so that 1.0 is the target and smaller is better for every figure.
         if t["target"].startswith("<="):
-            norm = max(v, 0.0) / bound
+            norm = max(v, 0.01 * bound) / bound
         else:
             norm = bound / v if v > 0 else math.inf
         keys.append(f"{key}\n{v:.3g} (target {t['target']})")
@@ -55,9 +55,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ok.append(t["holds"])
     ax2.barh(keys, vals, color=["tab:green" if o else "tab:red" for o in ok])
     ax2.axvline(1.0, color="black", linestyle="--", linewidth=1)
+    ax2.set_xscale("log")
     ax2.invert_yaxis()
     ax2.tick_params(axis="y", labelsize=7)
-    ax2.set_xlabel("figure / target (<= 1 meets the target)")
+    ax2.set_xlabel("figure / target, log (<= 1 meets the target)")
     ax2.set_title("ratios measured side by side")
     m = report.get("machine", {})
     fig.suptitle(
