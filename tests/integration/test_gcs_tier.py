@@ -131,6 +131,22 @@ def test_composite_upload_uses_parallel_parts(
     assert crc32c_of_b64(stored.crc32c) == manifest.crc32c
 
 
+def test_parts_above_the_clients_8_mib_multipart_limit_upload_and_round_trip(
+    gcs_emulator: GcsEmulator, gcs_bucket: str, tmp_path: Path
+) -> None:
+    """Parts over 8 MiB go up as resumable uploads, which refuse a stream not at position 0:
+    every part after the first used to fail ("Stream must be at beginning"), i.e. every shard
+    over 2 x chunk_size with chunk_size > 8 MiB (found by bench/, W1 at 0.1 scale)."""
+    chunk = 9 * 1024 * 1024
+    path, manifest, data = make_shard(tmp_path, job_id=JOB, step=3, nbytes=2 * chunk + 11)
+    cfg = gcs_emulator.tier_config(gcs_bucket, prefix="ckpt/", chunk_size_bytes=chunk)
+    with GcsTier(cfg, writer_id=WRITER, client=gcs_emulator.client()) as tier:
+        assert tier.put_shard(JOB, 3, 0, path, manifest) == len(data)
+        out = tmp_path / "back.bin"
+        tier.fetch_shard(JOB, 3, 0, out)
+    assert out.read_bytes()[: len(data)] == data
+
+
 def test_crc_mismatch_is_detected_and_quarantined(
     tier: GcsTier, admin: storage.Client, gcs_bucket: str, tmp_path: Path
 ) -> None:

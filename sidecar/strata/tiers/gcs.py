@@ -55,6 +55,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
+import io
 import logging
 import math
 import os
@@ -66,6 +67,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import google_crc32c
 import requests
@@ -792,8 +794,11 @@ class GcsTier(Tier):
     def _upload_part(self, src: Path, offset: int, length: int, name: str) -> storage.Blob:
         blob = self._bucket.blob(name)
         blob.metadata = self._meta("part")
-        with open(src, "rb") as f:
-            f.seek(offset)
+        with open(src, "rb") as raw:
+            # A part above the client's 8 MiB multipart limit goes up as a resumable upload,
+            # which refuses a stream not at position 0 ("Stream must be at beginning"): give it
+            # a view of the range that starts at 0.
+            f = _FileRange(raw.fileno(), offset, length)
             try:
                 blob.upload_from_file(
                     f,
@@ -806,8 +811,7 @@ class GcsTier(Tier):
                 )
             except gexc.PreconditionFailed:
                 # Part names are unique to this attempt: a 412 is our own retried upload.
-                f.seek(offset)
-                expected = google_crc32c.value(f.read(length))
+                expected = google_crc32c.value(os.pread(raw.fileno(), length, offset))
                 landed = self._bucket.get_blob(
                     name, retry=self._retry, timeout=self.request_timeout
                 )
@@ -1005,6 +1009,37 @@ def _same_shard(a: Manifest, b: Manifest) -> bool:
         and a.chunk_crc32c == b.chunk_crc32c
         and a.world_size == b.world_size
     )
+
+
+class _FileRange(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream starting at 0."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(0, base + pos), self._length)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
+        if n <= 0:
+            return 0
+        got = os.preadv(self._fd, [view[:n]], self._offset + self._pos)
+        self._pos += got
+        return got
 
 
 class _AlreadyExists(Exception):
