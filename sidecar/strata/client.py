@@ -41,6 +41,7 @@ without a sidecar the client reaches every tier directly (RAM and PVC as directo
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import os
@@ -315,6 +316,11 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
+        # Encoding allocates several objects per tensor; with the cyclic collector on, that
+        # triggers collections that walk the whole heap: half of the stall of a 10,000-tensor
+        # state (bench W3: 0.46 -> 0.22 s). Nothing cyclic is created here.
+        collect = gc.isenabled()
+        gc.disable()
         try:
             self._save(step, state)
         except Exception as exc:
@@ -330,6 +336,9 @@ class Checkpointer:
             if self.raise_on_error:
                 raise
             return False
+        finally:
+            if collect:
+                gc.enable()
         stall = time.perf_counter() - t0
         self._report({"kind": "save", "step": step, "ok": True, "stall_seconds": stall})
         self.last_stall_seconds = stall
