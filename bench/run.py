@@ -625,9 +625,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--promoter-priority",
         choices=["normal", "nice", "idle"],
-        default="normal",
-        help="CPU/IO class of the background promoter for interference_fraction (normal: what "
-        "the sidecar does today; nice: nice 19 + I/O best-effort 7; idle: SCHED_IDLE + I/O idle)",
+        default="nice",
+        help="CPU/IO class of the background promoter for interference_fraction (nice: what "
+        "the sidecar does, nice 19 + I/O best-effort 7; normal: default priority; idle: "
+        "SCHED_IDLE + I/O idle)",
     )
     ap.add_argument("--skip-gcs", action="store_true")
     ap.add_argument("--shm-dir", default="/dev/shm")
