@@ -247,7 +247,13 @@ class Checkpointer:
         self.writer_id = (
             self.config.writer_id or self.config.pod_name or socket.gethostname()
         ) + f"/rank-{self.rank}"
-        self.ram = RamTier(self.config.ram.path, keep=self.config.ram.keep)
+        # Training waits for a restore: verify a RAM shard with every core (CRC32C is CPU-bound
+        # on tmpfs; the chunk CRCs combine into the whole-object CRC without a second pass).
+        self.ram = RamTier(
+            self.config.ram.path,
+            keep=self.config.ram.keep,
+            verify_threads=min(4, os.cpu_count() or 1),
+        )
         if slot_provider is None and stager is None:
             # A ready sidecar on the local socket serves slots and staging (strata.agent).
             from strata.agent.api_client import connect
