@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from strata.config import TierName
-from strata.manifest import Manifest
+from strata.manifest import FORMAT_VERSION, Manifest, ManifestError
 
 
 class TierError(RuntimeError):
@@ -40,6 +40,37 @@ class ShardCorrupt(ShardUnavailable):
 
 class TierFull(TierError):
     """No space left (ENOSPC / quota); the previous committed step is untouched."""
+
+
+def parse_manifest(
+    raw: bytes, where: str, job_id: str, step: int, rank: int, job_hint: str = ""
+) -> Manifest:
+    """Parse a stored manifest and check it is the shard asked for (every tier reads this way).
+
+    Raises :class:`ShardCorrupt` when it is malformed or names another step or rank (quarantine
+    it), and :class:`ShardUnavailable` for another format version or another job: those are not
+    corruption, so the copy is skipped, never quarantined. ``job_hint``: where the job id comes
+    from in this tier, appended to the "another job" message.
+    """
+    try:
+        m = Manifest.from_json(raw, where)
+    except ManifestError as exc:
+        raise ShardCorrupt(f"{exc}; quarantine it and restore from another tier") from None
+    if m.format_version != FORMAT_VERSION:
+        raise ShardUnavailable(
+            f"{where}: manifest format version {m.format_version}, this Strata reads "
+            f"{FORMAT_VERSION}; upgrade Strata or restore another step"
+        )
+    if m.job_id != job_id:
+        raise ShardUnavailable(
+            f"{where}: manifest of job {m.job_id!r}, not {job_id!r}; check STRATA_JOB_ID / the "
+            f"strata.dev/run-id annotation{job_hint}"
+        )
+    try:
+        m.check_identity(job_id, step, rank, None)
+    except ManifestError as exc:
+        raise ShardCorrupt(f"{where}: {exc}; quarantine it") from None
+    return m
 
 
 @dataclass(frozen=True)

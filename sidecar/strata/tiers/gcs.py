@@ -85,7 +85,7 @@ from google.cloud.storage.retry import (
 from strata import layout
 from strata.config import GcsTierConfig, TierName
 from strata.crc import combine_chunks, crc32c
-from strata.manifest import FORMAT_VERSION, Manifest, ManifestError
+from strata.manifest import Manifest, ManifestError
 from strata.tiers.base import (
     ShardCorrupt,
     ShardUnavailable,
@@ -93,6 +93,7 @@ from strata.tiers.base import (
     Tier,
     TierError,
     TierFull,
+    parse_manifest,
 )
 
 log = logging.getLogger(__name__)
@@ -418,25 +419,7 @@ class GcsTier(Tier):
                         "differs from the server's); check the network path or proxy"
                     ) from exc
                 log.warning("%s damaged in transit; downloading it again", where)
-        try:
-            manifest = Manifest.from_json(raw, where)
-        except ManifestError as exc:
-            raise ShardCorrupt(f"{exc}; quarantine it and restore from another tier") from exc
-        if manifest.format_version != FORMAT_VERSION:
-            raise ShardUnavailable(
-                f"{where}: manifest format version {manifest.format_version}, this Strata reads "
-                f"{FORMAT_VERSION}; upgrade Strata or restore another step"
-            )
-        if manifest.job_id != job_id:
-            raise ShardUnavailable(
-                f"{where}: manifest of job {manifest.job_id!r}, not {job_id!r}; check "
-                "STRATA_JOB_ID / the strata.dev/run-id annotation and gcs.prefix"
-            )
-        try:
-            manifest.check_identity(job_id, step, rank, None)
-        except ManifestError as exc:
-            raise ShardCorrupt(f"{where}: {exc}; quarantine it") from exc
-        return manifest
+        return parse_manifest(raw, where, job_id, step, rank, " and gcs.prefix")
 
     def verify_shard(self, job_id: str, step: int, rank: int) -> Manifest:
         """Check the stored data object against the manifest without downloading it.

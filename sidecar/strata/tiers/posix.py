@@ -36,7 +36,7 @@ from pathlib import Path
 
 from strata import crc, layout
 from strata.config import TierName
-from strata.manifest import FORMAT_VERSION, Manifest, ManifestError
+from strata.manifest import Manifest
 from strata.tiers.base import (
     ShardCorrupt,
     ShardUnavailable,
@@ -44,6 +44,7 @@ from strata.tiers.base import (
     Tier,
     TierError,
     TierFull,
+    parse_manifest,
 )
 
 log = logging.getLogger(__name__)
@@ -213,26 +214,7 @@ class PosixTier(Tier):
             raise ShardUnavailable(
                 f"cannot read {path} ({exc.strerror}); check the mount and its permissions"
             ) from exc
-        try:
-            m = Manifest.from_json(raw, str(path))
-        except ManifestError as exc:
-            raise ShardCorrupt(f"{exc}; quarantine it and restore from another tier") from None
-        # Another version or another job is not corruption: skip it, never quarantine it.
-        if m.format_version != FORMAT_VERSION:
-            raise ShardUnavailable(
-                f"{path}: manifest format version {m.format_version}, this Strata reads "
-                f"{FORMAT_VERSION}; upgrade Strata or restore another step"
-            )
-        if m.job_id != job_id:
-            raise ShardUnavailable(
-                f"{path}: manifest of job {m.job_id!r}, not {job_id!r}; "
-                "check STRATA_JOB_ID / the strata.dev/run-id annotation"
-            )
-        try:
-            m.check_identity(job_id, step, rank, None)
-        except ManifestError as exc:
-            raise ShardCorrupt(f"{path}: {exc}; quarantine it") from None
-        return m
+        return parse_manifest(raw, str(path), job_id, step, rank)
 
     def get_manifest(self, job_id: str, step: int, rank: int) -> Manifest:
         """The committed manifest of the shard.
