@@ -17,25 +17,12 @@ import shutil
 import signal
 from pathlib import Path
 
+from bench.baselines import sendfile_fsync
+
 
 def _cfr_once(src: Path, dst_dir: Path) -> None:
     dst_dir.mkdir(parents=True, exist_ok=True)
-    dst = dst_dir / src.name
-    size = src.stat().st_size
-    fin = os.open(src, os.O_RDONLY)
-    fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        done = 0
-        while done < size:
-            # tmpfs -> disk is cross-filesystem: copy_file_range refuses it (EXDEV); sendfile works.
-            n = os.sendfile(fout, fin, done, size - done)
-            if n == 0:
-                break
-            done += n
-        os.fsync(fout)
-    finally:
-        os.close(fin)
-        os.close(fout)
+    sendfile_fsync(src, dst_dir / src.name)
 
 
 _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
