@@ -402,9 +402,8 @@ class Demo:
                     done = True
             return done
         finally:
-            if proc.poll() is None and not done:
-                pass
-            elif proc.poll() is None:
+            # A stopped (SIGSTOPped) trainer stays for sigkill_trainer(); a finished one exits.
+            if done:
                 proc.wait(timeout=120)
             self._last = proc
 
