@@ -8,16 +8,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from strata.config import ConfigError, SidecarConfig
+
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from strata.client import Checkpointer, RestoreResult
+    from strata.client import Checkpointer, RestoreError, RestoreResult
 
-__all__ = ["Checkpointer", "RestoreResult", "__version__"]
+__all__ = [
+    "Checkpointer",
+    "ConfigError",
+    "RestoreError",
+    "RestoreResult",
+    "SidecarConfig",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Checkpointer", "RestoreResult"):
+    if name in ("Checkpointer", "RestoreResult", "RestoreError"):
         from strata import client
 
         return getattr(client, name)

@@ -69,7 +69,7 @@ from strata.restore import (
     skipped_partial_steps,
     stage_shard,
 )
-from strata.tiers.base import ShardUnavailable, Tier
+from strata.tiers.base import ShardUnavailable, Tier, TierError
 from strata.tiers.posix import PosixTier
 from strata.tiers.ram import (
     LocalSlotProvider,
@@ -262,6 +262,15 @@ class Checkpointer:
             if agent is not None:
                 reuse = LocalSlotProvider(self.ram, keep=self.config.ram.keep, allocate=False)
                 slot_provider, stager = ReuseFirstSlotProvider(reuse, agent), agent
+            elif self.config.pvc is not None or self.config.gcs is not None:
+                # Promotion is the sidecar's job; without one, checkpoints stay in RAM only.
+                log.warning(
+                    "strata: no sidecar answers on %s: saves stay in the RAM tier and are NOT "
+                    "promoted to %s; run `strata sidecar` with the same configuration (in "
+                    "Kubernetes the webhook injects it). Restores still search every tier.",
+                    self.config.socket,
+                    " and ".join(t for t in ("pvc", "gcs") if getattr(self.config, t)),
+                )
         self.slot_provider: SlotProvider = slot_provider or LocalSlotProvider(
             self.ram, keep=self.config.ram.keep
         )
@@ -277,6 +286,7 @@ class Checkpointer:
         self._pending: list[Future[None]] = []
         self._pending_lock = threading.Lock()
         self._tiers: list[Tier] | None = None
+        self._tier_notes: list[str] = []
         self._last_save_time: float | None = None
         self.last_error: str | None = None
         self.failed_saves = 0
@@ -293,10 +303,18 @@ class Checkpointer:
             if self.config.pvc is not None:
                 tiers["pvc"] = PosixTier(self.config.pvc.path, "pvc")
             if self.config.gcs is not None:
-                from strata.tiers.gcs import GcsTier  # lazily: google-cloud-storage is optional
+                try:
+                    # lazily: google-cloud-storage is optional
+                    from strata.tiers.gcs import GcsTier
 
-                tiers["gcs"] = GcsTier(self.config.gcs, writer_id=self.writer_id)
-            self._tiers = [tiers[t] for t in self.config.tiers_in_restore_order()]
+                    tiers["gcs"] = GcsTier(self.config.gcs, writer_id=self.writer_id)
+                except (TierError, ImportError) as exc:
+                    # No credentials or no client library must not stop a restore that RAM or
+                    # the PVC can serve: the tier is left out and the restore says so.
+                    note = f"gcs: not searched: {exc}"
+                    log.warning("strata: %s", note)
+                    self._tier_notes.append(note)
+            self._tiers = [tiers[t] for t in self.config.tiers_in_restore_order() if t in tiers]
         return self._tiers
 
     # -- save -----------------------------------------------------------------------------------
@@ -430,7 +448,14 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         excluded: list[int] = []
-        notes: list[str] = []
+        self._restore_tiers()
+        notes: list[str] = list(self._tier_notes)
+        if self.world_size > 1 and self._dist() is None:
+            notes.append(
+                f"world size {self.world_size} without torch.distributed: other ranks' RAM tiers "
+                "cannot be seen, so only the PVC and GCS can serve a complete step; call "
+                "torch.distributed.init_process_group() before restore()"
+            )
         for _ in range(64):
             inv = self.stager.inventory(self.job_id, self.rank, self.world_size)
             invs = [RankInventory.from_dict(d) for d in self._gather(inv.to_dict())]
@@ -592,14 +617,9 @@ def _build_config(
     allow_fresh_start: bool | None,
 ) -> SidecarConfig:
     if config is None:
-        try:
-            raw: dict[str, Any] = SidecarConfig.from_env().model_dump(
-                mode="json", exclude_defaults=True
-            )
-        except ConfigError:
-            if job_id is None:
-                raise
-            raw = {}
+        # The environment and the arguments are merged, then validated once: a bad setting in
+        # either is an error naming it, never silently dropped (nor is STRATA_PVC_DIR).
+        raw: dict[str, Any] = dict(SidecarConfig.raw_from_env())
     else:
         raw = config.model_dump(mode="json", exclude_defaults=True)
     if job_id is not None:

@@ -164,6 +164,14 @@ class SidecarConfig(_Frozen):
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SidecarConfig:
         """Read ``STRATA_CONFIG`` plus the override variables listed in the module docstring."""
+        return cls.parse(cls.raw_from_env(environ))
+
+    @classmethod
+    def raw_from_env(cls, environ: Mapping[str, str] | None = None) -> dict[str, object]:
+        """The settings the environment gives, not yet validated (to merge with arguments).
+
+        Raises :class:`ConfigError` when ``STRATA_CONFIG`` is not a JSON object.
+        """
         env = os.environ if environ is None else environ
         raw: dict[str, object] = {}
         if env.get(ENV_CONFIG):
@@ -200,7 +208,7 @@ class SidecarConfig(_Frozen):
                     target[key] = sub
                 target = sub
             target[keys[-1]] = value
-        return cls.parse(raw)
+        return raw
 
     @classmethod
     def parse(cls, raw: Mapping[str, object]) -> SidecarConfig:

@@ -373,3 +373,47 @@ def test_unlistable_tier_is_noted_and_others_serve(shm_dir: Path, tmp_path: Path
         res = c.restore(t.state)
     assert res.step == 3 and res.tiers == {0: "ram"} and same_weights(t.weights(), w3)
     assert any(n.startswith("pvc: not searched: cannot list") for n in res.skipped), res.skipped
+
+
+def test_environment_and_arguments_are_merged_and_a_bad_setting_is_never_dropped(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Arguments override the environment; they never silently discard it (a dropped
+    STRATA_PVC_DIR would mean checkpoints thought durable are not)."""
+    monkeypatch.setenv("STRATA_PVC_DIR", str(tmp_path / "pvc"))
+    monkeypatch.setenv("STRATA_CONFIG", '{"restore": {"allow_fresh_start": true}}')
+    ckpt = Checkpointer(job_id="ns.merge", ram_dir=shm_dir)
+    try:
+        assert ckpt.config.pvc is not None and ckpt.config.pvc.path == str(tmp_path / "pvc")
+        assert ckpt.config.restore.allow_fresh_start is True
+    finally:
+        ckpt.close()
+    monkeypatch.setenv("STRATA_CONFIG", '{"job_id": "x", "bogus": 1}')
+    with pytest.raises(strata.ConfigError, match="bogus"):
+        Checkpointer(job_id="ns.merge", ram_dir=shm_dir)
+    monkeypatch.setenv("STRATA_CONFIG", "{not json")
+    with pytest.raises(strata.ConfigError, match="STRATA_CONFIG is not valid JSON"):
+        Checkpointer(job_id="ns.merge", ram_dir=shm_dir)
+
+
+def test_a_gcs_tier_without_credentials_does_not_stop_a_restore_that_ram_serves(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No credentials anywhere, and never the GCE metadata server (loopback only in tests).
+    for var in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NO_GCE_CHECK", "true")
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    config = SidecarConfig.parse(
+        {"job_id": "ns.nocreds", "ram": {"path": str(shm_dir)}, "gcs": {"bucket": "my-bucket"}}
+    )
+    with Checkpointer(config) as ckpt:
+        assert ckpt.save(1, {"x": torch.arange(4.0)})
+    target = {"x": torch.zeros(4)}
+    with Checkpointer(config) as ckpt:
+        result = ckpt.restore(target)
+    assert (result.step, result.tier) == (1, "ram")
+    assert torch.equal(target["x"], torch.arange(4.0))
+    assert any(
+        n.startswith("gcs: not searched: no Google Cloud credentials") for n in result.skipped
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -157,6 +158,43 @@ def test_bad_configuration_exits_2_naming_the_setting(shm_dir: Path, sidecar_pro
         )
         assert proc.returncode == 2, proc.stderr
         assert words in proc.stderr
+
+
+def test_an_unusable_environment_stops_the_sidecar_with_one_clear_line(tmp_path: Path) -> None:
+    """RAM directory unusable, metrics port taken: exit 1 with what is wrong, no traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = (
+            (
+                {"job_id": JOB, "ram": {"path": str(not_a_dir)}, "metrics_port": 0},
+                "Not a directory",
+            ),
+            (
+                {
+                    "job_id": JOB,
+                    "ram": {"path": str(tmp_path / "ram")},
+                    "metrics_port": port,
+                    "metrics_host": "127.0.0.1",
+                },
+                "metrics_port is taken",
+            ),
+        )
+        for config, words in cases:
+            proc = subprocess.run(
+                [sys.executable, "-m", "strata.cli", "sidecar"],
+                env={**env, "STRATA_CONFIG": json.dumps(config)},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert proc.returncode == 1, proc.stderr
+            assert "strata sidecar: cannot start:" in proc.stderr and words in proc.stderr
+            assert "Traceback" not in proc.stderr
 
 
 # -- staging (C-04) and restore of a recreated pod (C-06) ---------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import platform
@@ -11,10 +12,12 @@ import sys
 from strata.agent.logs import setup_logging
 from strata.config import ConfigError, SidecarConfig
 from strata.policies import PolicyError
+from strata.tiers.base import TierError
 
 log = logging.getLogger("strata.sidecar")
 
 EXIT_CONFIG = 2
+EXIT_FAILED = 1
 
 
 _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
@@ -61,4 +64,20 @@ def run_sidecar(log_level: str = "INFO") -> int:
         print(f"strata sidecar: {exc}", file=sys.stderr)
         log.error("invalid configuration: %s", exc, extra={"event": "config_error"})
         return EXIT_CONFIG
-    return sidecar.serve()
+    except (TierError, OSError) as exc:
+        return _cannot_start(exc)
+    try:
+        return sidecar.serve()
+    except (TierError, OSError) as exc:
+        # Start-up problems of the environment (RAM directory unusable, metrics port taken,
+        # no GCS credentials): one clear line, not a traceback.
+        return _cannot_start(exc)
+
+
+def _cannot_start(exc: BaseException) -> int:
+    hint = ""
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        hint = " (metrics_port is taken: set another port in the sidecar configuration)"
+    print(f"strata sidecar: cannot start: {exc}{hint}", file=sys.stderr)
+    log.error("cannot start: %s%s", exc, hint, extra={"event": "start_error"})
+    return EXIT_FAILED
