@@ -341,7 +341,15 @@ def test_valid_policies_become_ready_with_the_expected_status(
     assert policy["spec"]["tiers"]["pvc"]["keep"] == 2
     assert policy["spec"]["restore"]["verify"] is True
     assert_no_strata_finalizer_or_status_litter(policy)
-    assert any(k.startswith("strata.dev/") for k in policy["metadata"]["annotations"])
+    # kopf records what it handled in its own (strata.dev/) annotations right after the
+    # handler returns, i.e. possibly just after the status patch this test waited for.
+    wait_for(
+        "kopf's strata.dev/ annotations",
+        lambda: any(
+            k.startswith("strata.dev/")
+            for k in get_policy(kube, ns, "full")["metadata"].get("annotations") or {}
+        ),
+    )
 
     ram_only = wait_ready(kube, ns, "ram-only")
     assert "tiers: ram" in (condition(ram_only, c.READY) or {})["message"]
