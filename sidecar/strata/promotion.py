@@ -661,6 +661,7 @@ class PromotionEngine:
                     tier, step, durable_step, ok=True, message="durable tiers are current"
                 )
             failures: list[str] = ["RAM step not promotable"]
+            delay = 0.2  # doubled after each failed attempt, up to 2 s (a full PVC stays full)
             while True:
                 # Shards that failed earlier may succeed now: the flush ignores their backoff.
                 for rank in ranks:
@@ -672,11 +673,13 @@ class PromotionEngine:
                     if result.promoted.get(tier) == step:
                         return FlushResult(tier, step, durable_step, ok=True, message="promoted")
                     failures = result.failed.get(tier, failures)
-                if self._clock() + 0.2 >= deadline:
+                remaining = deadline - self._clock()
+                if remaining <= 0.2:
                     return FlushResult(
                         tier, step, durable_step, ok=False, message="; ".join(failures)
                     )
-                time.sleep(0.2)
+                time.sleep(min(delay, remaining - 0.2))
+                delay = min(delay * 2, 2.0)
         finally:
             lock.release()
 
