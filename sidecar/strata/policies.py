@@ -39,6 +39,13 @@ class IntervalPolicy(Protocol):
         """``last_step``/``last_time``: the tier's newest promoted step and when (seconds, any
         monotonic clock consistent with ``now``); None when the tier has none yet."""
 
+    def candidate(self, steps: Iterable[int]) -> int | None:
+        """Of the steps RAM holds for every local rank, the one to promote (None: none fits)."""
+
+
+def _newest(steps: Iterable[int]) -> int | None:
+    return max(steps, default=None)
+
 
 @runtime_checkable
 class RetentionPolicy(Protocol):
@@ -74,6 +81,13 @@ class EveryNSteps:
             return step >= self.n
         return step > last_step and step // self.n > last_step // self.n
 
+    def candidate(self, steps: Iterable[int]) -> int | None:
+        """The newest multiple of ``n``: every pod's sidecar then promotes the same steps, so a
+        durable tier holds *complete* steps even when pods are at different steps when their
+        sidecars look ("the newest step" would be 8 on one pod and 11 on another, and the tier
+        would never hold all ranks of one step)."""
+        return _newest(s for s in steps if s % self.n == 0)
+
 
 @dataclass(frozen=True)
 class EveryNSeconds:
@@ -96,6 +110,9 @@ class EveryNSeconds:
             return False
         return last_time is None or now - last_time >= self.seconds
 
+    def candidate(self, steps: Iterable[int]) -> int | None:
+        return _newest(steps)
+
 
 @dataclass(frozen=True)
 class EveryStep:
@@ -103,6 +120,9 @@ class EveryStep:
 
     def due(self, step: int, last_step: int | None, now: float, last_time: float | None) -> bool:
         return last_step is None or step > last_step
+
+    def candidate(self, steps: Iterable[int]) -> int | None:
+        return _newest(steps)
 
 
 @dataclass(frozen=True)
@@ -122,6 +142,10 @@ class AnyOf:
 
     def due(self, step: int, last_step: int | None, now: float, last_time: float | None) -> bool:
         return any(p.due(step, last_step, now, last_time) for p in self.policies)
+
+    def candidate(self, steps: Iterable[int]) -> int | None:
+        # A time bound can make any step due: the newest one.
+        return _newest(steps)
 
 
 def interval_policy(interval: Interval) -> IntervalPolicy:

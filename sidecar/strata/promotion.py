@@ -211,8 +211,9 @@ class PromotionEngine:
         """Declare ranks served by this sidecar (the local API does this when a rank asks for slots)."""
         self._declared.update(ranks)
 
-    def local_ranks(self) -> set[int]:
-        """Declared ranks plus every rank with slots or shards in this job's RAM directory."""
+    def local_ranks(self, ram_steps: dict[int, StepListing] | None = None) -> set[int]:
+        """Declared ranks plus every rank with slots or shards in this job's RAM directory
+        (``ram_steps``: a listing of the RAM tier already taken, to avoid a second one)."""
         ranks = set(self._declared)
         slots_root = self.ram.root / self.job_id / "slots"
         try:
@@ -221,7 +222,7 @@ class PromotionEngine:
                     ranks.add(int(entry.name[5:]))
         except FileNotFoundError:
             pass
-        for listing in self.ram.list_steps(self.job_id).values():
+        for listing in (self.ram_steps() if ram_steps is None else ram_steps).values():
             ranks.update(listing.committed_ranks)
         return ranks
 
@@ -230,11 +231,17 @@ class PromotionEngine:
 
     def newest_ram_step(self, ranks: set[int] | None = None) -> int | None:
         """Newest step committed in RAM for every rank of ``ranks`` (default: local ranks)."""
-        ranks = self.local_ranks() if ranks is None else ranks
+        return max(self._ram_steps_of(ranks), default=None)
+
+    def _ram_steps_of(
+        self, ranks: set[int] | None = None, ram_steps: dict[int, StepListing] | None = None
+    ) -> list[int]:
+        """Steps committed in RAM for every rank of ``ranks`` (default: local ranks)."""
+        listing = self.ram_steps() if ram_steps is None else ram_steps
+        ranks = self.local_ranks(listing) if ranks is None else ranks
         if not ranks:
-            return None
-        steps = [s for s, listing in self.ram_steps().items() if ranks <= listing.committed_ranks]
-        return max(steps) if steps else None
+            return []
+        return [s for s, entry in listing.items() if ranks <= entry.committed_ranks]
 
     def _ram_manifests(self, step: int, ranks: set[int], seal: bool) -> dict[int, Manifest] | None:
         """Checksummed RAM manifests of ``step`` for ``ranks``; None when some are not yet.
@@ -323,8 +330,10 @@ class PromotionEngine:
         docstring); returns what happened.
         """
         result = RoundResult()
-        ranks = self.local_ranks()
-        step = self.newest_ram_step(ranks)
+        listing = self.ram_steps()  # one listing of the RAM tier per round
+        ranks = self.local_ranks(listing)
+        ram_steps = self._ram_steps_of(ranks, listing)
+        step = max(ram_steps, default=None)
         manifests = self._ram_manifests(step, ranks, seal) if step is not None else None
         if step is not None and manifests is not None:
             result.ram_step = step
@@ -338,48 +347,19 @@ class PromotionEngine:
                 if not self._init_tier(name, ranks):
                     continue
                 force = force_tier == name
-                tier_step, tier_manifests = step, manifests
-                if not force and self._steps_only(name):
-                    tier_step = self._aligned_step(name, ranks)
-                    if tier_step != step:
-                        tier_manifests = (
-                            None
-                            if tier_step is None
-                            else self._ram_manifests(tier_step, ranks, seal)
-                        )
+                # The tier's interval picks which RAM step (e.g. a multiple of every.steps);
+                # a flush takes the newest.
+                tier_step = step if force else self.policies[name].interval.candidate(ram_steps)
+                tier_manifests = manifests
+                if tier_step != step:
+                    tier_manifests = (
+                        None if tier_step is None else self._ram_manifests(tier_step, ranks, seal)
+                    )
                 if tier_step is not None and tier_manifests is not None:
                     self._promote_if_due(name, tier_step, tier_manifests, force, result)
                 if force_tier is None:
                     self._maintain_if_due(name, ranks, result)
         return result
-
-    def _steps_only(self, name: TierName) -> bool:
-        tier_cfg = self.config.pvc if name == "pvc" else self.config.gcs
-        return (
-            tier_cfg is not None
-            and tier_cfg.every.steps is not None
-            and tier_cfg.every.seconds is None
-        )
-
-    def _aligned_step(self, name: TierName, ranks: set[int]) -> int | None:
-        """For a steps-only interval, the newest RAM step on a multiple of ``every.steps``.
-
-        Every pod's sidecar then promotes the same steps, so a durable tier holds *complete*
-        steps even when ranks of different pods are at different steps when their sidecars
-        look (a sidecar that promoted "the newest step" would pick 8 on one pod and 11 on
-        another, and the tier would never hold all ranks of one step). None: not a steps-only
-        interval (seconds-based tiers promote the newest step), or no aligned step in RAM.
-        """
-        tier_cfg = self.config.pvc if name == "pvc" else self.config.gcs
-        if tier_cfg is None or tier_cfg.every.steps is None:
-            return None
-        n = tier_cfg.every.steps
-        steps = [
-            s
-            for s, listing in self.ram_steps().items()
-            if s % n == 0 and ranks <= listing.committed_ranks
-        ]
-        return max(steps) if steps else None
 
     def _forget_older_than(self, step: int | None) -> None:
         """Drop bookkeeping of steps older than the newest RAM step (bounded memory)."""

@@ -121,3 +121,15 @@ def test_tier_policies_of_the_demo_configuration() -> None:
     assert set(policies) == {"ram", "pvc", "gcs"}
     assert promoted_steps(policies["gcs"].interval, list(range(10, 310, 10))) == [100, 200, 300]  # type: ignore[arg-type]
     assert policies["pvc"].retention.to_delete([50, 100, 150]) == [50]
+
+
+def test_the_interval_picks_the_step_to_promote() -> None:
+    """Step intervals pick the newest multiple (pods at different steps fill the same durable
+    step); intervals with a time bound pick the newest step."""
+    ram = [70, 80, 90, 100, 110]
+    assert EveryNSteps(20).candidate(ram) == 100
+    assert EveryNSteps(200).candidate(ram) is None
+    assert EveryNSeconds(5).candidate(ram) == 110
+    assert EveryStep().candidate(ram) == 110
+    assert AnyOf((EveryNSteps(20), EveryNSeconds(5))).candidate(ram) == 110
+    assert EveryNSteps(20).candidate([]) is None
