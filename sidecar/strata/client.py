@@ -45,7 +45,6 @@ import gc
 import logging
 import mmap
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -244,9 +243,7 @@ class Checkpointer:
         self.rank, self.world_size = _identity(rank, world_size)
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
-        self.writer_id = (
-            self.config.writer_id or self.config.pod_name or socket.gethostname()
-        ) + f"/rank-{self.rank}"
+        self.writer_id = f"{self.config.pod_writer_id}/rank-{self.rank}"
         # Training waits for a restore: verify a RAM shard with every core (CRC32C is CPU-bound
         # on tmpfs; the chunk CRCs combine into the whole-object CRC without a second pass).
         self.ram = RamTier(

@@ -55,7 +55,7 @@ import ctypes
 import math
 import mmap
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -709,23 +709,3 @@ def _into(dec: _Decoder, node: Any, live: Any, path: str) -> Any:
         live[:] = items
         return live
     return dec.value(node, path)
-
-
-def iter_tensor_paths(tree: Any, path: str = "state") -> Iterator[tuple[str, int]]:
-    """(path, tensor index) of every tensor node of a manifest tree (diagnostics, tests)."""
-    if isinstance(tree, list):
-        for i, v in enumerate(tree):
-            yield from iter_tensor_paths(v, f"{path}[{i}]")
-    elif isinstance(tree, dict) and tree:
-        tag = next(iter(tree))
-        if tag == TENSOR_TAG:
-            yield path, int(tree[TENSOR_TAG])
-        elif tag in ("__tuple__", "__set__", "__frozenset__"):
-            for i, v in enumerate(tree[tag]):
-                yield from iter_tensor_paths(v, f"{path}[{i}]")
-        elif tag == "__dict__":
-            for k, v in tree[tag]:
-                yield from iter_tensor_paths(v, f"{path}[{k!r}]")
-        elif not tag.startswith("__"):
-            for k, v in tree.items():
-                yield from iter_tensor_paths(v, f"{path}{_key_str(k)}")

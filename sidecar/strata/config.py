@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
@@ -151,6 +152,13 @@ class SidecarConfig(_Frozen):
     @property
     def socket(self) -> Path:
         return Path(self.socket_path or os.path.join(self.ram.path, ".strata", "agent.sock"))
+
+    @property
+    def pod_writer_id(self) -> str:
+        """The writer id stamped on data this pod writes (``writer_id``, else the pod name, else
+        the host name); a rank's shards carry ``<pod_writer_id>/rank-<r>``. Garbage collection
+        deletes only data whose writer id matches, so the client and the sidecar must agree."""
+        return self.writer_id or self.pod_name or socket.gethostname()
 
     def tiers_in_restore_order(self) -> list[TierName]:
         """Configured tiers in restore order (nearest first)."""

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -58,11 +57,6 @@ DURABLE_TIERS: tuple[TierName, ...] = ("pvc", "gcs")
 EventKind = Literal[
     "promoted", "failed", "gave_up", "checksum_mismatch", "retention", "gc", "sealed"
 ]
-
-
-def writer_id_of(config: SidecarConfig) -> str:
-    """The writer id stamped on data this pod writes: config, else pod name, else host name."""
-    return config.writer_id or config.pod_name or socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -185,7 +179,7 @@ class PromotionEngine:
         missing = [t for t in self.durable if t not in self.policies]
         if missing:
             raise ValueError(f"no promotion policy for tier(s) {missing}")
-        self.writer_id = writer_id_of(config)
+        self.writer_id = config.pod_writer_id
         self._declared: set[int] = set(local_ranks)
         self._on_event = on_event
         self.max_workers = max(1, max_workers)
@@ -278,12 +272,14 @@ class PromotionEngine:
                 if m.verified:
                     return m
                 crcs, whole = crc.file_chunk_crcs(lease.path, m.data_nbytes, m.chunk_size)
-                self.ram.update_checksums(self.job_id, step, rank, crcs, whole)
+                sealed = self.ram.update_checksums(self.job_id, step, rank, crcs, whole)
         except (ShardUnavailable, ValueError, OSError) as exc:
             log.warning("cannot checksum RAM shard rank %d step %d: %s", rank, step, exc)
             return None
         self._emit(PromotionEvent("sealed", "ram", step, (rank,), message="checksummed by sidecar"))
-        try:
+        if sealed is not None:
+            return sealed
+        try:  # its writer checksummed it meanwhile
             return self.ram.get_manifest(self.job_id, step, rank)
         except ShardUnavailable:
             return None
@@ -628,9 +624,10 @@ class PromotionEngine:
                 tier, None, None, ok=False, message=f"deadline passed waiting for the {tier} tier"
             )
         try:
-            ranks = self.local_ranks()
+            listing = self.ram_steps()
+            ranks = self.local_ranks(listing)
             self._init_tier(tier, ranks)
-            step = self.newest_ram_step(ranks)
+            step = max(self._ram_steps_of(ranks, listing), default=None)
             durable_step = self._newest_durable_step(tier, ranks)
             if step is None:
                 return FlushResult(

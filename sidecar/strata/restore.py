@@ -337,8 +337,8 @@ def _stage_ram(
             tier.verify_file(lease.path, m)
         elif verify:
             crcs, whole = crc.file_chunk_crcs(lease.path, m.data_nbytes, m.chunk_size)
-            tier.update_checksums(job_id, step, rank, crcs, whole)
-            m = tier.get_manifest(job_id, step, rank)
+            sealed = tier.update_checksums(job_id, step, rank, crcs, whole)
+            m = sealed if sealed is not None else tier.get_manifest(job_id, step, rank)
             skipped.append(
                 f"ram: step {step} rank {rank} had no checksums yet (its writer stopped before "
                 "the checksum pass); checksummed now, not verified against an earlier record"

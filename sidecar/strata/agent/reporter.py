@@ -13,7 +13,6 @@ connection errors, 408, 429 and 5xx; other 4xx (bad token, schema) are logged an
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import random
@@ -154,9 +153,3 @@ class ReportError(RuntimeError):
     def __init__(self, message: str, retryable: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
-
-
-def report_json(report: SidecarReport) -> dict[str, object]:
-    """The JSON object that is POSTed (for logs and tests)."""
-    loaded: dict[str, object] = json.loads(report.model_dump_json())
-    return loaded

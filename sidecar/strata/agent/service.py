@@ -41,7 +41,7 @@ from strata.agent.metrics import Metrics
 from strata.agent.reporter import Reporter
 from strata.config import SidecarConfig, TierName
 from strata.policies import tier_policies
-from strata.promotion import PromotionEngine, PromotionEvent, writer_id_of
+from strata.promotion import PromotionEngine, PromotionEvent
 from strata.reports import MAX_EVENTS, Promotion, ReportedError, Restore, SidecarReport, TierState
 from strata.tiers.base import Tier, TierError
 from strata.tiers.posix import PosixTier
@@ -68,7 +68,7 @@ class Sidecar:
     ) -> None:
         self.config = config
         self.policies = tier_policies(config)  # PolicyError names a conflicting setting
-        self.writer_id = writer_id_of(config)
+        self.writer_id = config.pod_writer_id
         self.ram = RamTier(config.ram.path, keep=config.ram.keep)
         durable: dict[TierName, Tier] = {}
         if config.pvc is not None:

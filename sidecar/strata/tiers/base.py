@@ -19,7 +19,7 @@ says what to do; callers fall back to the next tier on :class:`ShardUnavailable`
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from strata.config import TierName
@@ -88,16 +88,6 @@ class StepListing:
     @property
     def complete(self) -> bool:
         return self.world_size is not None and len(self.committed_ranks) >= self.world_size
-
-
-@dataclass
-class FetchResult:
-    """Provenance of one fetched shard."""
-
-    tier: TierName
-    nbytes: int
-    seconds: float
-    skipped: list[str] = field(default_factory=list)
 
 
 class Tier(abc.ABC):

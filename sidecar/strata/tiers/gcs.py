@@ -334,13 +334,15 @@ class GcsTier(Tier):
 
     # -- listing -------------------------------------------------------------------------------
 
-    def _scan(self, job_id: str) -> dict[int, dict[str, storage.Blob]]:
-        """Every object under ``<prefix>/<job>/steps/``, as {step: {file name: blob}}."""
+    def _scan(self, job_id: str, step: int | None = None) -> dict[int, dict[str, storage.Blob]]:
+        """Every object under ``<prefix>/<job>/steps/`` (or only ``step``'s), as
+        {step: {file name: blob}}."""
         base = self.object_name(layout.steps_prefix(job_id)) + "/"
+        prefix = base if step is None else self.object_name(layout.step_key(job_id, step)) + "/"
         out: dict[int, dict[str, storage.Blob]] = {}
-        with self._errors("listing", base):
+        with self._errors("listing", prefix):
             for blob in self._client.list_blobs(
-                self._bucket, prefix=base, retry=self._retry, timeout=self.request_timeout
+                self._bucket, prefix=prefix, retry=self._retry, timeout=self.request_timeout
             ):
                 step_dir, _, fname = blob.name[len(base) :].partition("/")
                 step = layout.parse_step(step_dir)
@@ -901,14 +903,13 @@ class GcsTier(Tier):
         """Delete a step (all objects under it) or some ranks' objects: manifests first
         (un-commit), then data and leftovers. Each delete is pinned to the listed generation; an
         object replaced since the listing is kept (logged)."""
-        objects = self._scan(job_id).get(step, {})
+        objects = self._scan(job_id, step).get(step, {})
+        stems = None if ranks is None else {layout.shard_stem(r) for r in ranks}
         manifests: list[storage.Blob] = []
         others: list[storage.Blob] = []
         for fname, blob in objects.items():
-            if ranks is not None:
-                stem = fname.split(".", 1)[0]
-                if not any(stem == layout.shard_stem(r) for r in ranks):
-                    continue
+            if stems is not None and fname.split(".", 1)[0] not in stems:
+                continue
             parsed = layout.parse_shard(fname)
             (manifests if parsed is not None and parsed[1] == "manifest" else others).append(blob)
         for blob in [*manifests, *others]:

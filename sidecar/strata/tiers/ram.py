@@ -435,21 +435,21 @@ class RamTier(PosixTier):
 
     def update_checksums(
         self, job_id: str, step: int, rank: int, chunk_crc32c: list[int], crc32c: int
-    ) -> bool:
+    ) -> Manifest | None:
         """Record checksums in a committed, not yet checksummed manifest (caller holds a lease).
 
-        Returns False (and changes nothing) when the shard is no longer committed or already has
-        checksums.
+        Returns the manifest as now committed, or None (changing nothing) when the shard is no
+        longer committed or already has checksums.
         """
         try:
             current = self.get_manifest(job_id, step, rank)
         except ShardUnavailable:
-            return False
+            return None
         if current.verified:
-            return False
+            return None
         updated = current.model_copy(update={"chunk_crc32c": chunk_crc32c, "crc32c": crc32c})
         self.write_manifest(job_id, step, rank, updated)
-        return True
+        return updated
 
     def put_shard(
         self,
