@@ -38,7 +38,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -849,17 +849,6 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def running_cluster(directory: Path) -> Iterator[LocalCluster]:
-    """Context manager: a started `LocalCluster` in ``directory``, stopped on exit."""
-    cluster = LocalCluster(directory)
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 # --------------------------------------------------------------------------- command line

@@ -128,9 +128,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo["clients"] = Clients(core_v1=client.CoreV1Api(), custom=client.CustomObjectsApi())
 
 
-def _reconcile(
-    spec: dict[str, Any], status: dict[str, Any], namespace: str, opts: Options, clients: Clients
-) -> Outcome:
+def _reconcile(spec: dict[str, Any], namespace: str, opts: Options, clients: Clients) -> Outcome:
     try:
         parsed = parse_spec(spec)
     except InvalidSpec as err:
@@ -231,7 +229,7 @@ def _reconcile_and_report(
     logger: logging.Logger | logging.LoggerAdapter[Any],
 ) -> None:
     try:
-        outcome = _reconcile(dict(spec), old_status, namespace, opts, clients)
+        outcome = _reconcile(dict(spec), namespace, opts, clients)
         patch = new_status(old_status, outcome, generation=meta.get("generation"))
         if _changed(old_status, patch) and not _patch_status(clients, namespace, name, patch):
             logger.info("policy is gone; nothing to reconcile")

@@ -52,7 +52,6 @@ cannot be injected; the webhook turns it into a 4xx admission denial.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -581,8 +580,3 @@ def build_workload_patch(obj: Mapping[str, Any]) -> list[JSONPatchOp]:
                     }
                 )
     return ops
-
-
-def describe_patch(ops: list[JSONPatchOp]) -> str:
-    """A short human summary of a patch for logs (paths only)."""
-    return json.dumps([f"{o['op']} {o['path']}" for o in ops])

@@ -50,6 +50,7 @@ from pydantic import ValidationError
 
 from strata.reports import REPORT_PATH, SidecarReport
 from strata_operator import api, certs
+from strata_operator import conditions as c
 from strata_operator import metrics as m
 from strata_operator.mutation import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_NAME
 
@@ -90,8 +91,7 @@ class EventSpec:
 # --- folding (pure) ---------------------------------------------------------------------------
 
 
-def _fmt(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+_fmt = c.format_time
 
 
 def _whole(t: datetime) -> datetime:
@@ -553,12 +553,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configure(args: argparse.Namespace, memo: kopf.Memo) -> None:
     """Set up the receiver's state (needs ``memo["tls"]`` from the webhook extension)."""
-    from kubernetes import client, config
+    from kubernetes import client
 
     tls: certs.TlsFiles | None = memo.get("tls")
     if tls is None:
         raise SystemExit("strata_operator.receiver needs strata_operator.webhook (TLS) first")
-    config.load_config()  # type: ignore[no-untyped-call]
+    # The webhook extension loaded the kubeconfig and holds a CustomObjectsApi: share them.
     memo["receiver"] = ReceiverState(
         host=args.report_listen,
         port=args.report_port,
@@ -566,7 +566,7 @@ def configure(args: argparse.Namespace, memo: kopf.Memo) -> None:
         tls=tls,
         auth_api=client.AuthenticationV1Api(),
         core_api=client.CoreV1Api(),
-        custom_api=client.CustomObjectsApi(),
+        custom_api=memo["webhook"].custom_api,
     )
     if args.metrics_port:
         m.serve(args.metrics_port, args.metrics_listen)

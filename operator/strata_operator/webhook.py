@@ -48,7 +48,7 @@ from typing import Any, Literal
 import jsonpatch
 import kopf
 
-from strata_operator import api, certs
+from strata_operator import api, certs, conditions
 from strata_operator import metrics as m
 from strata_operator.mutation import (
     POLICY_LABEL,
@@ -308,14 +308,14 @@ class WebhookState:
 
 
 def _not_ready_warning(policy: Mapping[str, Any]) -> str | None:
-    for cond in (policy.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Ready" and cond.get("status") == "False":
-            meta = policy.get("metadata") or {}
-            return (
-                f"CheckpointPolicy {meta.get('namespace')}/{meta.get('name')} is not Ready "
-                f"({cond.get('reason')}): {cond.get('message')}"
-            )
-    return None
+    cond = conditions.find((policy.get("status") or {}).get("conditions") or [], conditions.READY)
+    if cond is None or cond.get("status") != "False":
+        return None
+    meta = policy.get("metadata") or {}
+    return (
+        f"CheckpointPolicy {meta.get('namespace')}/{meta.get('name')} is not Ready "
+        f"({cond.get('reason')}): {cond.get('message')}"
+    )
 
 
 def _apply_ops(ops: list[dict[str, Any]], raw_body: dict[str, Any]) -> None:
@@ -452,7 +452,7 @@ async def inject_pod(
 
 
 def _register_workload(handler_id: str, group: str, version: str, plural: str) -> None:
-    kind = {"jobs": "Job", "jobsets": "JobSet", "pytorchjobs": "PyTorchJob"}[plural]
+    kind = HANDLERS[handler_id][0]
 
     async def label_workload(
         body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **_: Any

@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from strata.config import (
     RestoreConfig,
     SidecarConfig,
 )
+from strata.emulator import free_port
 
 JOB_ID = "demo.charlm"
 
@@ -228,12 +228,6 @@ def run_trainer(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Recovery:
     scenario: str
@@ -259,7 +253,6 @@ class Demo:
         self.pvc = Path(args.pvc_dir or self.work / "pvc")
         self.sidecar: subprocess.Popen[bytes] | None = None
         self.run = Run()
-        self.env: dict[str, str] = {}
         self.endpoint_bucket: tuple[str | None, str] = (None, "")
         self._last: subprocess.Popen[str] | None = None
 
@@ -281,7 +274,7 @@ class Demo:
                 chunk_size_bytes=1024 * 1024,
             ),
             restore=RestoreConfig(allow_fresh_start=allow_fresh),
-            metrics_port=_free_port(),
+            metrics_port=free_port(),
             metrics_host="127.0.0.1",
             gc_grace_seconds=5.0,
             termination_grace_seconds=30.0,
@@ -291,7 +284,6 @@ class Demo:
     def _env(self, cfg: SidecarConfig) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
         env.update(cfg.to_env())
-        env.update(self.env)
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
