@@ -25,7 +25,7 @@ def unavailable() -> str | None:
 
 def gcs_unavailable() -> str | None:
     try:
-        import strata.emulator
+        import strata.testing.emulator
         import strata.tiers.gcs  # noqa: F401
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
@@ -140,17 +140,17 @@ class PvcRestore:
 def promote_once(ram_root: Path, dst_root: Path) -> int:
     """Promote the newest committed RAM step to a PVC directory with the sidecar's own engine.
 
-    :class:`strata.promotion.PromotionEngine` ``promote_once(force_tier="pvc")``: lease the RAM
+    :class:`strata.sidecar.promotion.PromotionEngine` ``promote_once(force_tier="pvc")``: lease the RAM
     slot, ``PosixTier.put_shard`` (check the source's CRC32Cs, copy, fsync, manifest last, fsync
     the directory), then verify the committed copy. Returns bytes promoted; raises when the
     engine reports a failure.
     """
-    from strata.config import Interval, PvcTierConfig, RamTierConfig, SidecarConfig
-    from strata.promotion import PromotionEngine
+    from strata.config import Interval, PvcTierConfig, RamTierConfig, StrataConfig
+    from strata.sidecar.promotion import PromotionEngine
     from strata.tiers.posix import PosixTier
     from strata.tiers.ram import RamTier
 
-    config = SidecarConfig(
+    config = StrataConfig(
         job_id=JOB,
         ram=RamTierConfig(path=str(ram_root)),
         pvc=PvcTierConfig(path=str(dst_root), every=Interval(steps=1)),
@@ -187,7 +187,7 @@ class GcsBench:
 
     def __enter__(self) -> GcsBench:
         from strata.config import GcsTierConfig
-        from strata.emulator import FakeGcsServer
+        from strata.testing.emulator import FakeGcsServer
         from strata.tiers.gcs import GcsTier
 
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -275,7 +275,7 @@ class GcsBench:
 
 
 def _manifest(path: Path) -> Any:
-    from strata.manifest import Manifest
+    from strata.format.manifest import Manifest
 
     return Manifest.from_json(path.read_bytes(), str(path))
 

@@ -22,7 +22,7 @@ from tests.fixtures.pods import PodBuilder, job_obj, jobset_obj, policy_obj, pyt
 
 from e2e.cluster import LocalCluster
 from e2e.operator_fixtures import OPERATOR_NAMESPACE, OperatorProcess, ensure_namespace
-from strata.config import SidecarConfig
+from strata.config import StrataConfig
 from strata_operator.mutation import (
     INJECTED_ANNOTATION,
     POLICY_LABEL,
@@ -102,7 +102,7 @@ def test_labelled_pod_is_injected_and_stays_restricted(
     assert [c["name"] for c in pod["spec"]["initContainers"]] == ["fetch", SIDECAR_NAME]
     train = pod["spec"]["containers"][0]
     config_json = next(e["value"] for e in train["env"] if e["name"] == "STRATA_CONFIG")
-    config = SidecarConfig.from_env({"STRATA_CONFIG": config_json})
+    config = StrataConfig.from_env({"STRATA_CONFIG": config_json})
     assert config.job_id == f"{k8s_namespace}.pretrain"
     assert config.report.endpoint == operator_running.report_url
     assert "STRATA_COMPLETION_INDEX" in env_names(train)

@@ -52,7 +52,7 @@ from strata.config import (
     RamTierConfig,
     ReportConfig,
     RestoreConfig,
-    SidecarConfig,
+    StrataConfig,
     TierName,
 )
 
@@ -741,8 +741,8 @@ def to_sidecar_config(
     ram_path: str = DEFAULT_RAM_DIR,
     pvc_path: str = DEFAULT_PVC_DIR,
     termination_grace_seconds: float | None = None,
-) -> SidecarConfig:
-    """Map a policy spec to the sidecar/client contract (:class:`strata.config.SidecarConfig`).
+) -> StrataConfig:
+    """Map a policy spec to the sidecar/client contract (:class:`strata.config.StrataConfig`).
 
     Pure: no Kubernetes calls. ``job_id`` is ``<namespace>.<workload>`` or the run-id annotation.
     ``ram_path``/``pvc_path`` are where the webhook mounts the tiers in the containers.
@@ -780,7 +780,7 @@ def to_sidecar_config(
     grace = termination_grace_seconds
     if grace is None:
         grace = float(spec.sidecar.termination_grace_period_seconds or 30)
-    return SidecarConfig(
+    return StrataConfig(
         job_id=job_id,
         policy=policy,
         namespace=namespace,

@@ -20,7 +20,7 @@ What an injected pod gets (DESIGN.md "Webhook"; every name below is a module con
   ``sizeLimit`` plus an overhead, because tmpfs pages are charged to the container that first
   touches them and the sidecar pre-faults the slots (DESIGN.md "RAM tier");
 * for every training container (``spec.containers``): ``STRATA_CONFIG``
-  (:meth:`strata.config.SidecarConfig.to_env`), the downward-API identity variables and the RAM and
+  (:meth:`strata.config.StrataConfig.to_env`), the downward-API identity variables and the RAM and
   PVC mounts;
 * ``terminationGracePeriodSeconds`` raised to the policy's value (never lowered);
 * the annotation ``strata.dev/injected: <policy>``.
@@ -60,7 +60,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from strata.config import SidecarConfig
+from strata.config import StrataConfig
 from strata_operator.api import (
     DEFAULT_HOST_PATH,
     DEFAULT_SIDECAR_IMAGE,
@@ -365,7 +365,7 @@ def _add_items(path: str, exists: bool, items: list[Obj]) -> list[JSONPatchOp]:
     return [{"op": "add", "path": f"{path}/-", "value": item} for item in items]
 
 
-def _identity_env(labels: Mapping[str, str], config: SidecarConfig) -> list[Obj]:
+def _identity_env(labels: Mapping[str, str], config: StrataConfig) -> list[Obj]:
     env: list[Obj] = [{"name": k, "value": v} for k, v in config.to_env().items()]
     env += [
         {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
@@ -413,7 +413,7 @@ def _volumes(pol: CheckpointPolicySpec, settings: InjectionSettings, ram_bytes: 
     return volumes
 
 
-def _tier_mounts(pol: CheckpointPolicySpec, config: SidecarConfig) -> list[Obj]:
+def _tier_mounts(pol: CheckpointPolicySpec, config: StrataConfig) -> list[Obj]:
     mounts: list[Obj] = [{"name": RAM_VOLUME, "mountPath": config.ram.path}]
     if pol.tiers.pvc is not None and config.pvc is not None:
         mount: Obj = {"name": PVC_VOLUME, "mountPath": config.pvc.path}
@@ -458,7 +458,7 @@ def _sidecar_container(
     settings: InjectionSettings,
     env: list[Obj],
     ram_bytes: int,
-    config: SidecarConfig,
+    config: StrataConfig,
 ) -> Obj:
     port = config.metrics_port
     startup_budget = 30 + math.ceil(ram_bytes / (1 << 30) * settings.startup_seconds_per_gib)

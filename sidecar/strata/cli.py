@@ -2,7 +2,7 @@
 
 ``strata sidecar``
     The checkpoint sidecar (promotion, retention, restore staging, metrics, reports); configured
-    only by the environment the webhook injects (:class:`strata.config.SidecarConfig`). Exit
+    only by the environment the webhook injects (:class:`strata.config.StrataConfig`). Exit
     status 2 on invalid configuration, with a message naming the setting.
 ``strata janitor --root DIR [--grace-seconds S] [--interval-seconds S | --once]``
     Remove RAM-tier data of jobs on this node whose heartbeat is older than the grace
@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _janitor(args: argparse.Namespace) -> int:
-    from strata.agent.janitor import sweep
-    from strata.agent.logs import setup_logging
+    from strata.sidecar.janitor import sweep
+    from strata.sidecar.logs import setup_logging
 
     setup_logging(args.log_level)
     if args.grace_seconds < 0:
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "janitor":
         return _janitor(args)
     if args.command == "sidecar":
-        from strata.agent.main import run_sidecar
+        from strata.sidecar.main import run_sidecar
 
         return run_sidecar(log_level=args.log_level)
     raise AssertionError(args.command)

@@ -1,8 +1,8 @@
 """The configuration contract between the operator, the sidecar and the training client.
 
-The operator's webhook builds a :class:`SidecarConfig` from a ``CheckpointPolicy`` and the pod,
-serialises it with :meth:`SidecarConfig.to_env` and injects the result into the sidecar *and* every
-training container. The sidecar and the client read it back with :meth:`SidecarConfig.from_env`.
+The operator's webhook builds a :class:`StrataConfig` from a ``CheckpointPolicy`` and the pod,
+serialises it with :meth:`StrataConfig.to_env` and injects the result into the sidecar *and* every
+training container. The sidecar and the client read it back with :meth:`StrataConfig.from_env`.
 Because both ends use this one model, they cannot disagree about a setting.
 
 Environment variables (all optional except where said):
@@ -34,16 +34,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from strata.errors import ConfigError
+
 TierName = Literal["ram", "pvc", "gcs"]
 TIER_ORDER: tuple[TierName, ...] = ("ram", "pvc", "gcs")
 
 ENV_CONFIG = "STRATA_CONFIG"
 DEFAULT_RAM_DIR = "/strata/ram"
 DEFAULT_PVC_DIR = "/strata/pvc"
-
-
-class ConfigError(ValueError):
-    """A setting is missing or invalid; the message names the setting and what to do."""
 
 
 class _Frozen(BaseModel):
@@ -114,7 +112,7 @@ class ReportConfig(_Frozen):
     max_attempts: Annotated[int, Field(ge=1)] = 5
 
 
-class SidecarConfig(_Frozen):
+class StrataConfig(_Frozen):
     """Everything the sidecar and the training client need; built by the webhook from a policy.
 
     Errors: :meth:`from_env` raises :class:`ConfigError` naming the setting on invalid input.
@@ -144,7 +142,7 @@ class SidecarConfig(_Frozen):
     """Identity stamped into manifests written by this pod; default ``<pod name or host>``."""
 
     @model_validator(mode="after")
-    def _check_tiers(self) -> SidecarConfig:
+    def _check_tiers(self) -> StrataConfig:
         if len(set(self.restore.order)) != len(self.restore.order):
             raise ValueError(f"restore.order has duplicates: {list(self.restore.order)}")
         return self
@@ -170,7 +168,7 @@ class SidecarConfig(_Frozen):
         return {ENV_CONFIG: self.model_dump_json(exclude_defaults=True)}
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> SidecarConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StrataConfig:
         """Read ``STRATA_CONFIG`` plus the override variables listed in the module docstring."""
         return cls.parse(cls.raw_from_env(environ))
 
@@ -219,7 +217,7 @@ class SidecarConfig(_Frozen):
         return raw
 
     @classmethod
-    def parse(cls, raw: Mapping[str, object]) -> SidecarConfig:
+    def parse(cls, raw: Mapping[str, object]) -> StrataConfig:
         """Validate ``raw``; raise :class:`ConfigError` naming every bad setting."""
         try:
             return cls.model_validate(raw)

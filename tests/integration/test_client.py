@@ -15,10 +15,10 @@ import torch
 
 import strata
 from strata.client import Checkpointer, RestoreError
-from strata.config import SidecarConfig
+from strata.config import StrataConfig
 from strata.tiers.gcs import GcsTier
 from strata.tiers.posix import PosixTier
-from strata.tiers.ram import SLOT_ALIGN, slots_dir
+from strata.tiers.slots import SLOT_ALIGN, slots_dir
 from tests.fixtures.gcs import GcsEmulator
 from tests.fixtures.leases import lease_holder
 
@@ -75,7 +75,7 @@ def ckpt(shm: Path, tmp: Path | None = None, **kw: Any) -> Checkpointer:
 
 def promote(c: Checkpointer, step: int, tier: PosixTier | GcsTier) -> None:
     """What the sidecar does: copy a checksummed RAM shard to another tier (under a lease)."""
-    from strata.tiers.ram import SlotLease
+    from strata.tiers.slots import SlotLease
 
     c.wait()
     with SlotLease(c.ram, JOB, step, 0) as lease:
@@ -182,7 +182,7 @@ def test_c04_flipped_bytes_fall_back_ram_pvc_gcs_and_quarantine_once(
     """C-04: flipped bytes in RAM -> PVC; flipped on the PVC too -> GCS; bad copies quarantined
     and never retried (the next restore is a RAM hit of the re-staged copy)."""
     gcs_cfg = gcs_emulator.tier_config(gcs_bucket, prefix="ckpt")
-    config = SidecarConfig(
+    config = StrataConfig(
         job_id=JOB,
         ram={"path": str(shm_dir / "ram")},
         pvc={"path": str(tmp_path / "pvc")},
@@ -348,7 +348,7 @@ def test_should_save_and_lazy_export(shm_dir: Path) -> None:
 def test_config_from_environment(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
         "STRATA_CONFIG",
-        SidecarConfig(
+        StrataConfig(
             job_id="ns.envjob", ram={"path": str(shm_dir / "r"), "keep": 2}
         ).model_dump_json(),
     )
@@ -404,7 +404,7 @@ def test_a_gcs_tier_without_credentials_does_not_stop_a_restore_that_ram_serves(
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NO_GCE_CHECK", "true")
     monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
-    config = SidecarConfig.parse(
+    config = StrataConfig.parse(
         {"job_id": "ns.nocreds", "ram": {"path": str(shm_dir)}, "gcs": {"bucket": "my-bucket"}}
     )
     with Checkpointer(config) as ckpt:

@@ -128,7 +128,8 @@ def test_c07_ranks_agree_on_the_newest_step_every_rank_holds(shm_dir: Path, tmp_
 def test_four_ranks_pvc_fills_the_gap(shm_dir: Path, tmp_path: Path) -> None:
     """Rank 3's RAM was lost (pod rescheduled); its shard of step 20 survives on the shared PVC."""
     from strata.tiers.posix import PosixTier
-    from strata.tiers.ram import RamTier, SlotLease
+    from strata.tiers.ram import RamTier
+    from strata.tiers.slots import SlotLease
 
     pvc = tmp_path / "pvc"
     save_as_ranks(shm_dir, [[10, 20]] * 4)

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 from google.cloud import storage
 
-from strata import layout
-from strata.emulator import free_port
-from strata.tiers.base import ShardCorrupt, ShardUnavailable
+from strata.errors import ShardCorrupt, ShardUnavailable
+from strata.format import layout
+from strata.testing.emulator import free_port
 from strata.tiers.gcs import (
     META_DATA_GENERATION,
     META_QUARANTINE_REASON,
@@ -266,7 +266,7 @@ _UPLOADER = textwrap.dedent(
     import os, sys
     from pathlib import Path
     from strata.config import GcsTierConfig
-    from strata.manifest import Manifest
+    from strata.format.manifest import Manifest
     from strata.tiers.gcs import GcsTier
 
     cfg = GcsTierConfig.model_validate_json(os.environ["CFG"])

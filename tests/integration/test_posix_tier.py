@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from strata import crc, layout
-from strata.manifest import Manifest, StorageEntry
-from strata.tiers.base import ShardCorrupt, ShardUnavailable, TierError, TierFull
+from strata.errors import ShardCorrupt, ShardUnavailable, TierError, TierFull
+from strata.format import crc, layout
+from strata.format.manifest import Manifest, StorageEntry
 from strata.tiers.posix import PosixTier
 
 pytestmark = pytest.mark.integration

@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from strata import layout
-from strata.config import SidecarConfig
-from strata.promotion import PromotionEngine, PromotionEvent
+from strata.config import StrataConfig
+from strata.format import layout
+from strata.sidecar.promotion import PromotionEngine, PromotionEvent
 from strata.tiers.gcs import GcsTier
 from strata.tiers.posix import PosixTier
-from strata.tiers.ram import LocalSlotProvider, RamTier, SlotLease
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import LocalSlotProvider, SlotLease
 from tests.fixtures.gcs import GcsEmulator
 from tests.fixtures.sidecar import flip_byte, write_ram_shard
 
@@ -26,7 +27,7 @@ JOB = "ns.train"
 
 def make_config(
     ram: Path, pvc: Path | None, gcs: dict[str, Any] | None = None, **extra: Any
-) -> SidecarConfig:
+) -> StrataConfig:
     raw: dict[str, Any] = {
         "job_id": JOB,
         "ram": {"path": str(ram), "every": {"steps": 10}, "keep": 1},
@@ -38,7 +39,7 @@ def make_config(
         raw["pvc"] = {"path": str(pvc), "every": {"steps": 20}, "keep": 2}
     if gcs is not None:
         raw["gcs"] = gcs
-    return SidecarConfig.parse(raw)
+    return StrataConfig.parse(raw)
 
 
 def payload(step: int, rank: int = 0, n: int = 50_000) -> bytes:

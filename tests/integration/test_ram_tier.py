@@ -8,17 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from strata import crc
-from strata.manifest import Manifest, StorageEntry
-from strata.tiers.base import ShardUnavailable, TierFull
-from strata.tiers.ram import (
+from strata.errors import ShardUnavailable, SlotsBusy, TierFull
+from strata.format import crc
+from strata.format.manifest import Manifest, StorageEntry
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import (
     SLOT_ALIGN,
     LocalSlotProvider,
-    RamTier,
     ReuseFirstSlotProvider,
     SlotLease,
     SlotProvider,
-    SlotsBusy,
     SlotWriteLock,
     slots_dir,
 )

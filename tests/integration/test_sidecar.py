@@ -22,15 +22,14 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from strata.agent.api_client import AgentClient, connect
-from strata.agent.janitor import HEARTBEAT_NAME
-from strata.config import SidecarConfig
+from strata.client.sidecar_client import SidecarClient, connect
+from strata.config import StrataConfig
+from strata.errors import SlotsBusy, StageError, TierError, TierFull
 from strata.reports import REPORT_PATH, SidecarReport
-from strata.restore import StageError
-from strata.tiers.base import TierError, TierFull
+from strata.sidecar.janitor import HEARTBEAT_NAME
 from strata.tiers.gcs import GcsTier
 from strata.tiers.posix import PosixTier
-from strata.tiers.ram import RamTier, SlotsBusy
+from strata.tiers.ram import RamTier
 from tests.fixtures.gcs import GcsEmulator
 from tests.fixtures.sidecar import (
     ReportReceiver,
@@ -50,7 +49,7 @@ def payload(step: int, rank: int = 0, n: int = 40_000) -> bytes:
     return (f"<{step}:{rank}>".encode() * (n // 6 + 1))[:n]
 
 
-def config_for(ram_dir: Path, pvc_dir: Path | None = None, **extra: Any) -> SidecarConfig:
+def config_for(ram_dir: Path, pvc_dir: Path | None = None, **extra: Any) -> StrataConfig:
     raw: dict[str, Any] = {
         "job_id": JOB,
         "ram": {"path": str(ram_dir), "every": {"steps": 10}, "keep": 1},
@@ -63,7 +62,7 @@ def config_for(ram_dir: Path, pvc_dir: Path | None = None, **extra: Any) -> Side
         raw["pvc"] = {"path": str(pvc_dir), "every": {"steps": 50}, "keep": 2}
     for key, value in extra.items():
         raw[key] = value
-    return SidecarConfig.parse(raw)
+    return StrataConfig.parse(raw)
 
 
 def wait_until(
@@ -203,7 +202,7 @@ def test_an_unusable_environment_stops_the_sidecar_with_one_clear_line(tmp_path:
 @pytest.fixture
 def three_tiers(
     shm_dir: Path, tmp_path: Path, gcs_emulator: GcsEmulator, gcs_bucket: str
-) -> tuple[SidecarConfig, RamTier, PosixTier, GcsTier]:
+) -> tuple[StrataConfig, RamTier, PosixTier, GcsTier]:
     gcs_cfg = gcs_emulator.tier_config(gcs_bucket, every={"steps": 100}, keep=2)
     config = config_for(shm_dir, tmp_path / "pvc", gcs=gcs_cfg.model_dump(mode="json"))
     ram = RamTier(shm_dir, keep=1)
@@ -219,7 +218,7 @@ def put_everywhere(ram: RamTier, pvc: PosixTier, gcs: GcsTier, step: int) -> Non
 
 
 def test_c04_staging_falls_back_past_corrupt_copies_and_quarantines_them(
-    three_tiers: tuple[SidecarConfig, RamTier, PosixTier, GcsTier], sidecar_proc: Start
+    three_tiers: tuple[StrataConfig, RamTier, PosixTier, GcsTier], sidecar_proc: Start
 ) -> None:
     config, ram, pvc, gcs = three_tiers
     put_everywhere(ram, pvc, gcs, 100)
@@ -266,7 +265,7 @@ def test_c06_recreated_pod_restores_from_the_pvc_through_the_sidecar(
     model = torch.nn.Linear(8, 4)
     state = {"model": model.state_dict(), "step": 0}
     with Checkpointer(config, rank=0, world_size=1) as ckpt:
-        assert isinstance(ckpt.stager, AgentClient)  # auto-detected sidecar
+        assert isinstance(ckpt.stager, SidecarClient)  # auto-detected sidecar
         state["step"] = 50
         assert ckpt.save(50, state)
         ckpt.wait()
@@ -281,7 +280,7 @@ def test_c06_recreated_pod_restores_from_the_pvc_through_the_sidecar(
     fresh = torch.nn.Linear(8, 4)
     target = {"model": fresh.state_dict(), "step": -1}
     with Checkpointer(config, rank=0, world_size=1) as ckpt:
-        assert isinstance(ckpt.stager, AgentClient)
+        assert isinstance(ckpt.stager, SidecarClient)
         result = ckpt.restore(target)
     assert result.step == 50 and result.tier == "pvc"
     assert target["step"] == 50

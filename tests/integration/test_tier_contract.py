@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from strata import layout
-from strata.crc import chunk_crcs
-from strata.manifest import Manifest, StorageEntry
-from strata.tiers.base import ShardCorrupt, ShardUnavailable, Tier, TierError
+from strata.errors import ShardCorrupt, ShardUnavailable, TierError
+from strata.format import layout
+from strata.format.crc import chunk_crcs
+from strata.format.manifest import Manifest, StorageEntry
+from strata.tiers.base import Tier
 from tests.fixtures.gcs import make_shard
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from strata.config import SidecarConfig
+from strata.config import StrataConfig
 from strata_operator import api
 from strata_operator.reconcile import InvalidSpec, parse_spec
 from tests.fixtures.policies import PolicyBuilder, invalid_policies
@@ -104,7 +104,7 @@ def test_to_sidecar_config_maps_every_tier() -> None:
     cfg = api.to_sidecar_config(
         spec, "team-a.llm", policy="p", namespace="team-a", report_endpoint="https://op:9443"
     )
-    assert isinstance(cfg, SidecarConfig)
+    assert isinstance(cfg, StrataConfig)
     assert cfg.job_id == "team-a.llm" and cfg.policy == "p" and cfg.namespace == "team-a"
     assert cfg.ram.size_limit_bytes == 2 * 2**30
     assert cfg.ram.keep == 2 and cfg.ram.every.steps == 5 and cfg.ram.medium == "Memory"
@@ -120,7 +120,7 @@ def test_to_sidecar_config_maps_every_tier() -> None:
     assert cfg.metrics_port == 9500
     assert cfg.report.endpoint == "https://op:9443"
     # the contract survives its own serialisation (what the webhook injects)
-    assert SidecarConfig.from_env(cfg.to_env()) == cfg
+    assert StrataConfig.from_env(cfg.to_env()) == cfg
 
 
 def test_to_sidecar_config_defaults_restore_order_to_configured_tiers() -> None:

@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata import codec
-from strata.manifest import ALIGN, Manifest
+from strata.format import codec
+from strata.format.manifest import ALIGN, Manifest
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata import crc
+from strata.format import crc
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from strata.config import SidecarConfig
+from strata.config import StrataConfig
 from strata_operator.api import DEFAULT_HOST_PATH
 from strata_operator.mutation import (
     INJECTED_ANNOTATION,
@@ -86,7 +86,7 @@ def test_injected_pod_gets_volumes_sidecar_env_mounts_and_grace() -> None:
 
     train = spec["containers"][0]
     env = env_of(train)
-    config = SidecarConfig.from_env({"STRATA_CONFIG": env["STRATA_CONFIG"]})
+    config = StrataConfig.from_env({"STRATA_CONFIG": env["STRATA_CONFIG"]})
     assert config.job_id == "team-a.trainer-0"
     assert config.policy == "fast"
     assert config.ram.size_limit_bytes == 2 << 30
@@ -105,7 +105,7 @@ def test_grace_period_is_raised_never_lowered() -> None:
     pod = inject(training_pod().spec_field("terminationGracePeriodSeconds", 600).obj())
     assert pod["spec"]["terminationGracePeriodSeconds"] == 600
     assert (
-        SidecarConfig.from_env(
+        StrataConfig.from_env(
             {"STRATA_CONFIG": env_of(pod["spec"]["containers"][0])["STRATA_CONFIG"]}
         ).termination_grace_seconds
         == 600
@@ -383,6 +383,6 @@ def test_zero_grace_period_is_kept_and_the_config_stays_valid() -> None:
     assert pod["spec"]["terminationGracePeriodSeconds"] == 0
     env = env_of(pod["spec"]["containers"][0])
     assert (
-        SidecarConfig.from_env({"STRATA_CONFIG": env["STRATA_CONFIG"]}).termination_grace_seconds
+        StrataConfig.from_env({"STRATA_CONFIG": env["STRATA_CONFIG"]}).termination_grace_seconds
         == 1
     )

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from strata.config import Interval, SidecarConfig
-from strata.policies import (
+from strata.config import Interval, StrataConfig
+from strata.errors import PolicyError
+from strata.sidecar.promotion.policies import (
     AnyOf,
     EveryNSeconds,
     EveryNSteps,
     EveryStep,
     LatestN,
-    PolicyError,
     interval_policy,
     tier_policies,
 )
@@ -99,7 +99,7 @@ def test_latest_n_keeps_the_newest_n() -> None:
 
 
 def test_tier_policies_refuse_a_durable_interval_the_ram_tier_cannot_feed() -> None:
-    config = SidecarConfig.parse(
+    config = StrataConfig.parse(
         {"job_id": "ns.job", "ram": {"every": {"steps": 10}}, "pvc": {"every": {"steps": 15}}}
     )
     with pytest.raises(
@@ -109,7 +109,7 @@ def test_tier_policies_refuse_a_durable_interval_the_ram_tier_cannot_feed() -> N
 
 
 def test_tier_policies_of_the_demo_configuration() -> None:
-    config = SidecarConfig.parse(
+    config = StrataConfig.parse(
         {
             "job_id": "ns.job",
             "ram": {"every": {"steps": 10}},

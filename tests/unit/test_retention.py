@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from strata.policies import LatestN
-from strata.promotion import plan_retention
+from strata.sidecar.promotion import plan_retention
+from strata.sidecar.promotion.policies import LatestN
 from strata.tiers.base import StepListing
 
 pytestmark = pytest.mark.unit

@@ -26,10 +26,10 @@ def test_sidecar_image_runs_strata_sidecar_with_gcs_and_without_torch() -> None:
 
 
 def test_the_sidecar_and_its_client_side_import_without_torch() -> None:
-    """The image has no torch: the agent, the CLI and the AgentClient must not need it."""
+    """The image has no torch: the agent, the CLI and the SidecarClient must not need it."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import strata.agent.service, strata.agent.api_client, strata.cli, strata.promotion\n"
+        "import strata.sidecar.service, strata.client.sidecar_client, strata.cli, strata.sidecar.promotion\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

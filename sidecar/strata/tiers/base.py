@@ -1,6 +1,7 @@
-"""The one storage interface every tier implements (RAM, PVC, GCS).
+"""The one storage interface every tier implements (RAM, PVC, GCS): :class:`Tier` is the whole
+contract the promotion engine and restore use; they never ask which concrete tier they hold.
 
-Call order of a write (the commit protocol of DESIGN.md):
+Call order of a write (the commit protocol, docs/architecture.md "Commit protocol"):
 
 1. ``put_shard(job, step, rank, src_path, manifest)``: the tier writes the data object from the
    local file ``src_path`` (first ``manifest.data_nbytes`` bytes), makes it durable, verifies it
@@ -10,7 +11,14 @@ Call order of a write (the commit protocol of DESIGN.md):
 2. Readers list with ``list_steps``/``committed_ranks`` (manifest present = committed), read with
    ``get_manifest`` and ``fetch_shard`` (which verifies the CRC32C of what it copied), and
    ``quarantine`` a copy that fails verification so it is never served again.
-3. Retention calls ``delete_step``: manifests first (un-commit), then data.
+3. Retention calls ``delete_step``: manifests first (un-commit), then data; garbage collection
+   calls ``gc_incomplete`` for leftovers outside the layout (e.g. parts of an interrupted upload).
+
+Optional abilities have defaults here, so a medium with nothing to do implements nothing:
+``data_path`` (a local file of the data object: None), ``read_in_place`` (serve a shard where it
+lies instead of copying it out: None), ``verify_shard`` (check a committed copy: fetch it into a
+temporary file with verification), ``gc_incomplete`` (nothing to collect), ``close`` (nothing
+to release).
 
 Errors: every method raises a :class:`TierError` subclass whose message names the file/object and
 says what to do; callers fall back to the next tier on :class:`ShardUnavailable`.
@@ -19,27 +27,13 @@ says what to do; callers fall back to the next tier on :class:`ShardUnavailable`
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from strata.config import TierName
-from strata.manifest import FORMAT_VERSION, Manifest, ManifestError
-
-
-class TierError(RuntimeError):
-    """A tier operation failed; the message names the object and what to do."""
-
-
-class ShardUnavailable(TierError):
-    """The shard is not committed in this tier (missing, partial, or quarantined)."""
-
-
-class ShardCorrupt(ShardUnavailable):
-    """A committed shard failed verification (checksum, length, manifest identity)."""
-
-
-class TierFull(TierError):
-    """No space left (ENOSPC / quota); the previous committed step is untouched."""
+from strata.errors import ManifestError, ShardCorrupt, ShardUnavailable
+from strata.format.manifest import FORMAT_VERSION, Manifest
 
 
 def parse_manifest(
@@ -74,6 +68,16 @@ def parse_manifest(
 
 
 @dataclass(frozen=True)
+class InPlaceShard:
+    """A shard served where it lies (:meth:`Tier.read_in_place`): its manifest, its data file,
+    and notes on anything done to it (e.g. checksummed now because its writer had not)."""
+
+    manifest: Manifest
+    path: Path
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class StepListing:
     """What a tier holds of one step: ranks with a manifest, and ranks with data but no manifest."""
 
@@ -91,7 +95,7 @@ class StepListing:
 
 
 class Tier(abc.ABC):
-    """A place that holds checkpoints in the common layout (:mod:`strata.layout`)."""
+    """A place that holds checkpoints in the common layout (:mod:`strata.format.layout`)."""
 
     name: TierName
 
@@ -105,9 +109,20 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def put_shard(
-        self, job_id: str, step: int, rank: int, src_path: Path, manifest: Manifest
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        src_path: Path,
+        manifest: Manifest,
+        verify_source: bool = True,
     ) -> int:
-        """Commit a shard from a local file (see the module docstring); returns bytes written."""
+        """Commit a shard from a local file (see the module docstring); returns bytes written.
+
+        ``verify_source``: check the source against the manifest's checksums before writing
+        (:class:`ShardCorrupt`, nothing written); a tier that verifies what it stored against
+        the manifest anyway (GCS compares the server's CRC32C) may always check.
+        """
 
     @abc.abstractmethod
     def fetch_shard(
@@ -126,6 +141,44 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def quarantine(self, job_id: str, step: int, rank: int, reason: str) -> None:
         """Un-commit a bad copy without destroying it (renamed aside), so it is never served again."""
+
+    # -- optional abilities, with defaults -------------------------------------------------------
+
+    def data_path(self, job_id: str, step: int, rank: int) -> Path | None:
+        """The local file holding the shard's data object, when this process can read the
+        medium as files (RAM, PVC); None for a medium it cannot (object stores; the default).
+        Says nothing about whether the shard is committed (use :meth:`get_manifest`)."""
+        return None
+
+    def read_in_place(
+        self, job_id: str, step: int, rank: int, *, world_size: int | None, verify: bool
+    ) -> InPlaceShard | None:
+        """Serve a committed shard where it lies instead of copying it out (the RAM tier: the
+        trainer loads its own node's tmpfs file). None (the default): copy it with
+        :meth:`fetch_shard`. ``world_size``: refuse a shard of another world size
+        (:class:`ShardUnavailable`); ``verify``: check it against its manifest first
+        (:class:`ShardCorrupt`)."""
+        return None
+
+    def verify_shard(self, job_id: str, step: int, rank: int) -> Manifest:
+        """Check the committed copy against its manifest (length, CRC32C) and return the
+        manifest. Raises :class:`ShardUnavailable` (not committed) or :class:`ShardCorrupt`.
+
+        Default: fetch it into a temporary file with verification; a tier that can check in
+        place (a local file, a server-side checksum) overrides this.
+        """
+        with tempfile.TemporaryDirectory(prefix="strata-verify-") as tmp:
+            return self.fetch_shard(job_id, step, rank, Path(tmp) / "data", verify=True)
+
+    def gc_incomplete(self, job_id: str, grace_seconds: float) -> list[str]:
+        """Delete this writer's uncommitted leftovers outside the layout's steps that the
+        listing cannot show (e.g. parts of an interrupted upload) once older than
+        ``grace_seconds``; returns what was deleted. Default: nothing to collect."""
+        return []
+
+    def close(self) -> None:
+        """Release connections or other resources (default: none)."""
+        return None
 
     def complete_steps(self, job_id: str) -> list[int]:
         """Steps whose every rank is committed here, ascending."""

@@ -1,6 +1,6 @@
 """A tier on any POSIX directory: the PVC (Filestore, Lustre, NFS) and, as a base, the RAM tier.
 
-Layout (:mod:`strata.layout`): ``<root>/<job>/steps/<step:012d>/rank-<r:05d>.{data,manifest}``.
+Layout (:mod:`strata.format.layout`): ``<root>/<job>/steps/<step:012d>/rank-<r:05d>.{data,manifest}``.
 
 Commit protocol (DESIGN.md "Commit protocol"), in :meth:`PosixTier.put_shard`:
 
@@ -34,18 +34,11 @@ import time
 import uuid
 from pathlib import Path
 
-from strata import crc, layout
 from strata.config import TierName
-from strata.manifest import Manifest
-from strata.tiers.base import (
-    ShardCorrupt,
-    ShardUnavailable,
-    StepListing,
-    Tier,
-    TierError,
-    TierFull,
-    parse_manifest,
-)
+from strata.errors import ShardCorrupt, ShardUnavailable, TierError, TierFull
+from strata.format import crc, layout
+from strata.format.manifest import Manifest
+from strata.tiers.base import StepListing, Tier, parse_manifest
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +93,7 @@ def copy_range(src_fd: int, dst_fd: int, nbytes: int, dst_offset: int = 0) -> No
         done += n
 
 
-def _remove_quietly(path: Path) -> None:
+def remove_quietly(path: Path) -> None:
     try:
         path.unlink()
     except FileNotFoundError:
@@ -141,6 +134,7 @@ class PosixTier(Tier):
         return self.root / layout.step_key(job_id, step)
 
     def data_path(self, job_id: str, step: int, rank: int) -> Path:
+        """The data file (a POSIX tier can always be read as files)."""
         return self.root / layout.data_key(job_id, step, rank)
 
     def manifest_path(self, job_id: str, step: int, rank: int) -> Path:
@@ -224,6 +218,12 @@ class PosixTier(Tier):
         step/rank than its path).
         """
         return self._read_manifest(job_id, step, rank)
+
+    def verify_shard(self, job_id: str, step: int, rank: int) -> Manifest:
+        """Check the committed data file against its manifest in place (no copy)."""
+        manifest = self.get_manifest(job_id, step, rank)
+        self.verify_file(self.data_path(job_id, step, rank), manifest)
+        return manifest
 
     def verify_file(self, path: Path, manifest: Manifest) -> None:
         """Check the first ``data_nbytes`` of ``path`` against the manifest's CRC32Cs.
@@ -374,7 +374,7 @@ class PosixTier(Tier):
             self._sync_dir(d)
         except OSError as exc:
             for p in reversed(written):
-                _remove_quietly(p)
+                remove_quietly(p)
             with contextlib.suppress(OSError):
                 d.rmdir()  # only when empty: other ranks' shards stay
             if exc.errno in _FULL:
@@ -462,15 +462,15 @@ class PosixTier(Tier):
             n for n, p in shards if p and p[1] == "manifest" and (ranks is None or p[0] in ranks)
         ]
         for n in manifests:
-            _remove_quietly(d / n)
+            remove_quietly(d / n)
         if manifests:
             self._sync_dir(d)
         for n, p in shards:
             if p is None:
                 if ranks is None:
-                    _remove_quietly(d / n)
+                    remove_quietly(d / n)
             elif p[1] == "data" and (ranks is None or p[0] in ranks):
-                _remove_quietly(d / n)
+                remove_quietly(d / n)
         try:
             d.rmdir()
             self._sync_dir(d.parent)

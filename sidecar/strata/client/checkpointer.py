@@ -2,7 +2,7 @@
 
 ::
 
-    ckpt = strata.Checkpointer()                 # SidecarConfig.from_env() + RANK/WORLD_SIZE
+    ckpt = strata.Checkpointer()                 # StrataConfig.from_env() + RANK/WORLD_SIZE
     state = {"model": model, "optim": optimizer, "step": 0, "rng": torch.get_rng_state()}
     result = ckpt.restore(state)                 # newest restorable step, loaded in place
     for step in range(result.next_step, steps):
@@ -10,7 +10,7 @@
         if ckpt.should_save(step):
             ckpt.save(step, state)               # blocks only for the copy into a RAM slot
 
-``save(step, state)``: encodes the state (:mod:`strata.codec`), takes a free slot of the RAM
+``save(step, state)``: encodes the state (:mod:`strata.format.codec`), takes a free slot of the RAM
 ring (:mod:`strata.tiers.ram`), copies every tensor storage into it (several threads), commits
 the step in the RAM tier with a manifest *without* checksums, and returns. The stall is the
 copy. A background thread then checksums the slot and atomically rewrites the manifest with its
@@ -28,13 +28,13 @@ Programming errors raise at once: a negative or non-int step (ValueError). Pass
 ``restore(state)``: inventory of every tier -> all-gather across ranks when torch.distributed is
 initialized -> the newest step restorable on every rank (:func:`strata.restore.plan_restore`)
 -> stage this rank's shard into RAM (RAM hit, else PVC, else GCS; verified; a corrupt copy is
-quarantined) -> load it in place (:func:`strata.codec.load_into`). A step some rank fails to
+quarantined) -> load it in place (:func:`strata.format.codec.load_into`). A step some rank fails to
 stage is excluded and the ranks re-plan together. No restorable step: a fresh start (step None)
 when ``restore.allow_fresh_start``, else :class:`RestoreError` naming the tiers searched.
 
 Seams for the sidecar (socket-backed implementations): ``slot_provider=`` (a
 :class:`strata.tiers.ram.SlotProvider`) and ``stager=`` (a :class:`Stager`). Without them, a
-ready sidecar answering on ``config.socket`` serves both (:func:`strata.agent.api_client.connect`);
+ready sidecar answering on ``config.socket`` serves both (:func:`strata.client.sidecar_client.connect`);
 without a sidecar the client reaches every tier directly (RAM and PVC as directories, GCS via
 :class:`strata.tiers.gcs.GcsTier`, imported only when ``config.gcs`` is set).
 """
@@ -50,29 +50,29 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
-from strata import codec, crc
-from strata.config import ConfigError, SidecarConfig
-from strata.manifest import DEFAULT_CHUNK_SIZE
+from strata.config import StrataConfig
+from strata.errors import ConfigError, RestoreError, ShardUnavailable, StageError, TierError
+from strata.format import codec
+from strata.format.manifest import DEFAULT_CHUNK_SIZE
+from strata.protocol import ClientEvent, RestoreEvent, SaveEvent
 from strata.restore import (
     RankInventory,
-    StageError,
     StageResult,
     collect_inventory,
     plan_restore,
     skipped_partial_steps,
-    stage_shard,
+    stage_into_ram,
 )
-from strata.tiers.base import ShardUnavailable, Tier, TierError
+from strata.tiers.base import Tier
 from strata.tiers.posix import PosixTier
-from strata.tiers.ram import (
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import (
     LocalSlotProvider,
-    RamTier,
     ReuseFirstSlotProvider,
     SlotLease,
     SlotMaps,
@@ -81,10 +81,6 @@ from strata.tiers.ram import (
 )
 
 log = logging.getLogger("strata.client")
-
-
-class RestoreError(RuntimeError):
-    """No restorable step and fresh starts are not allowed; the message lists what was searched."""
 
 
 class Stager(Protocol):
@@ -104,7 +100,10 @@ class Stager(Protocol):
         """Put the shard into the RAM tier (committed there) and return provenance; the result's
         ``path`` is the RAM data file. ``sources``: the tiers to try, nearest first (the plan's
         :attr:`strata.restore.RestorePlan.sources` for this rank; None: every tier).
-        Raises :class:`strata.restore.StageError`."""
+        Raises :class:`strata.errors.StageError`."""
+
+    def report(self, event: ClientEvent) -> None:
+        """Hand a save/restore event to whoever keeps metrics (best effort, never raises)."""
 
 
 class LocalStager:
@@ -140,31 +139,20 @@ class LocalStager:
         world_size: int,
         sources: Sequence[str] | None = None,
     ) -> StageResult:
-        locks: list[SlotWriteLock] = []
+        return stage_into_ram(
+            self.tiers(),
+            self.ram,
+            self.slot_provider,
+            job_id,
+            step,
+            rank,
+            world_size=world_size,
+            verify=self.verify,
+            sources=sources,
+        )
 
-        def slot_for(nbytes: int) -> Path:
-            lock = SlotWriteLock.acquire(self.slot_provider, job_id, rank, nbytes)
-            locks.append(lock)
-            return lock.path
-
-        try:
-            tiers = [t for t in self.tiers() if sources is None or t.name in sources]
-            res = stage_shard(
-                tiers,
-                job_id,
-                step,
-                rank,
-                slot_for,
-                world_size=world_size,
-                verify=self.verify,
-            )
-            if res.tier != self.ram.name:
-                self.ram.commit_slot(job_id, step, rank, res.path, res.manifest)
-                res.path = self.ram.data_path(job_id, step, rank)
-            return res
-        finally:
-            for lock in locks:
-                lock.release()
+    def report(self, event: ClientEvent) -> None:
+        """No sidecar to tell: events are only logged by the client itself."""
 
 
 @dataclass
@@ -207,7 +195,7 @@ def _env_int(name: str) -> int | None:
 class Checkpointer:
     """Multi-tier checkpointing for one training process (one rank). See the module docstring.
 
-    Configuration: ``config`` or :meth:`SidecarConfig.from_env`; keyword arguments override
+    Configuration: ``config`` or :meth:`StrataConfig.from_env`; keyword arguments override
     (``job_id``, ``ram_dir``, ``pvc_dir``, ``keep``, ``every_steps``, ``allow_fresh_start``).
     Identity: ``rank``/``world_size`` arguments, else torch.distributed when initialized, else
     env ``RANK``/``WORLD_SIZE``, else 0/1. ``copy_threads``: threads copying into the slot.
@@ -220,7 +208,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        config: SidecarConfig | None = None,
+        config: StrataConfig | None = None,
         *,
         job_id: str | None = None,
         ram_dir: str | os.PathLike[str] | None = None,
@@ -252,8 +240,8 @@ class Checkpointer:
             verify_threads=min(4, os.cpu_count() or 1),
         )
         if slot_provider is None and stager is None:
-            # A ready sidecar on the local socket serves slots and staging (strata.agent).
-            from strata.agent.api_client import connect
+            # A ready sidecar on the local socket serves slots and staging (strata.sidecar).
+            from strata.client.sidecar_client import connect
 
             agent = connect(self.config.socket)
             if agent is not None:
@@ -353,7 +341,9 @@ class Checkpointer:
                 step,
                 exc,
             )
-            self._report({"kind": "save", "step": step, "ok": False, "error": str(exc)})
+            self._report(
+                SaveEvent(job_id=self.job_id, rank=self.rank, step=step, ok=False, error=str(exc))
+            )
             if self.raise_on_error:
                 raise
             return False
@@ -361,7 +351,9 @@ class Checkpointer:
             if collect:
                 gc.enable()
         stall = time.perf_counter() - t0
-        self._report({"kind": "save", "step": step, "ok": True, "stall_seconds": stall})
+        self._report(
+            SaveEvent(job_id=self.job_id, rank=self.rank, step=step, ok=True, stall_seconds=stall)
+        )
         self.last_stall_seconds = stall
         self.stall_seconds.append(stall)
         self.saves += 1
@@ -399,8 +391,7 @@ class Checkpointer:
                 m = lease.manifest
                 if m is None or m.verified or m.created.isoformat() != created:
                     return
-                crcs, whole = crc.file_chunk_crcs(lease.path, m.data_nbytes, m.chunk_size)
-                self.ram.update_checksums(self.job_id, step, self.rank, crcs, whole)
+                self.ram.seal(lease)
         except ShardUnavailable as exc:
             log.info("strata: step %d left the RAM tier before its checksum pass: %s", step, exc)
         except Exception as exc:
@@ -440,7 +431,7 @@ class Checkpointer:
 
         Returns a :class:`RestoreResult` (``step`` None: fresh start). Raises
         :class:`RestoreError` when nothing is restorable and fresh starts are not allowed, and
-        :class:`strata.codec.CodecError` when the checkpoint does not fit the live state.
+        :class:`strata.format.codec.CodecError` when the checkpoint does not fit the live state.
         """
         t0 = time.perf_counter()
         self.wait()
@@ -532,23 +523,24 @@ class Checkpointer:
             "(or allow_fresh_start=True) to start from scratch"
         )
 
-    def _report(self, event: dict[str, Any]) -> None:
+    def _report(self, event: ClientEvent) -> None:
         """Hand a save/restore event to the sidecar (off the training thread; best effort)."""
-        report = getattr(self.stager, "report", None)
-        if report is not None:
-            self._bg.submit(report, {"job_id": self.job_id, "rank": self.rank, **event})
+        self._bg.submit(self.stager.report, event)
 
-    def _report_restore(self, result: RestoreResult, outcome: str) -> None:
+    def _report_restore(
+        self, result: RestoreResult, outcome: Literal["restored", "fresh-start", "failed"]
+    ) -> None:
         self._report(
-            {
-                "kind": "restore",
-                "outcome": outcome,
-                "step": result.step,
-                "tier": result.tiers.get(self.rank, result.tier),
-                "nbytes": result.nbytes,
-                "seconds": result.seconds,
-                "skipped": result.skipped[:16],
-            }
+            RestoreEvent(
+                job_id=self.job_id,
+                rank=self.rank,
+                outcome=outcome,
+                step=result.step,
+                tier=result.tiers.get(self.rank, result.tier),
+                nbytes=result.nbytes,
+                seconds=result.seconds,
+                skipped=result.skipped[:16],
+            )
         )
 
     def _tier_location(self, tier: str) -> str:
@@ -605,18 +597,18 @@ class Checkpointer:
 
 
 def _build_config(
-    config: SidecarConfig | None,
+    config: StrataConfig | None,
     job_id: str | None,
     ram_dir: str | os.PathLike[str] | None,
     pvc_dir: str | os.PathLike[str] | None,
     keep: int | None,
     every_steps: int | None,
     allow_fresh_start: bool | None,
-) -> SidecarConfig:
+) -> StrataConfig:
     if config is None:
         # The environment and the arguments are merged, then validated once: a bad setting in
         # either is an error naming it, never silently dropped (nor is STRATA_PVC_DIR).
-        raw: dict[str, Any] = dict(SidecarConfig.raw_from_env())
+        raw: dict[str, Any] = dict(StrataConfig.raw_from_env())
     else:
         raw = config.model_dump(mode="json", exclude_defaults=True)
     if job_id is not None:
@@ -633,7 +625,7 @@ def _build_config(
         raw["pvc"] = {**raw.get("pvc", {}), "path": str(pvc_dir)}
     if allow_fresh_start is not None:
         raw["restore"] = {**raw.get("restore", {}), "allow_fresh_start": allow_fresh_start}
-    return SidecarConfig.parse(raw)
+    return StrataConfig.parse(raw)
 
 
 def _identity(rank: int | None, world_size: int | None) -> tuple[int, int]:

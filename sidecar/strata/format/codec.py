@@ -6,7 +6,7 @@ states, ``state_dict()`` of modules/optimizers ...) and returns an :class:`Encod
 - every tensor is recorded the way ``torch.save`` does it, by its *untyped storage*: tied weights
   and views keep sharing one storage, and a non-contiguous view restores with its strides and
   storage offset. Storages are laid out back to back in the data object, each aligned to
-  :data:`strata.manifest.ALIGN` bytes; :func:`write_data` copies them (several threads);
+  :data:`strata.format.manifest.ALIGN` bytes; :func:`write_data` copies them (several threads);
 - every other value becomes tagged JSON (the manifest's ``tree``); a tensor becomes
   ``{"__tensor__": index}`` into ``Manifest.tensors``.
 
@@ -62,7 +62,8 @@ from typing import Any
 
 import torch
 
-from strata.manifest import ALIGN, DEFAULT_CHUNK_SIZE, Manifest, StorageEntry, TensorEntry
+from strata.errors import CodecError
+from strata.format.manifest import ALIGN, DEFAULT_CHUNK_SIZE, Manifest, StorageEntry, TensorEntry
 
 TENSOR_TAG = "__tensor__"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -72,10 +73,6 @@ _MIN_TASK_BYTES = 1024 * 1024
 """Bytes per copy task: big storages are split so several threads share one copy."""
 
 Buffer = bytearray | memoryview | mmap.mmap
-
-
-class CodecError(ValueError):
-    """Saved data does not fit the manifest or the live state (names the path and the fix)."""
 
 
 def _np() -> Any:

@@ -27,7 +27,7 @@ from pathlib import Path
 from strata.config import ReportConfig
 from strata.reports import REPORT_PATH, SidecarReport
 
-log = logging.getLogger("strata.agent.reporter")
+log = logging.getLogger("strata.sidecar.reporter")
 
 _RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 

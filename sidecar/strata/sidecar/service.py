@@ -2,7 +2,7 @@
 
 Life cycle (DESIGN.md "Parts and data flow"; issue 3):
 
-1. Configuration: :meth:`SidecarConfig.from_env` and the tier policies; invalid -> exit 2 with a
+1. Configuration: :meth:`StrataConfig.from_env` and the tier policies; invalid -> exit 2 with a
    message naming the setting (:func:`main`).
 2. ``/metrics`` and ``/healthz`` on ``metrics_host:metrics_port`` start first; ``/healthz`` is
    503 until start-up is done (the pod's startupProbe; Kubernetes starts the trainer only after a
@@ -12,7 +12,7 @@ Life cycle (DESIGN.md "Parts and data flow"; issue 3):
    the heartbeat, then open the local API socket and become ready. In the background, prefetch
    the newest complete durable step into RAM for ranks the RAM directory knows
    (:meth:`Sidecar.prefetch`).
-4. Running: the promotion loop (:class:`strata.promotion.PromotionEngine`), the heartbeat
+4. Running: the promotion loop (:class:`strata.sidecar.promotion.PromotionEngine`), the heartbeat
    (``<ram>/<job>/.strata-heartbeat`` for the hostPath janitor), periodic reports.
 5. SIGTERM/SIGINT: stop promoting by interval; if the newest committed RAM step is newer than
    every durable step, promote it to the fastest durable tier before
@@ -34,16 +34,18 @@ from collections.abc import Collection
 from types import FrameType
 from typing import Any
 
-from strata.agent.http import Routes, serve_tcp, serve_unix
-from strata.agent.janitor import touch_heartbeat
-from strata.agent.local_api import LocalApi
-from strata.agent.metrics import Metrics
-from strata.agent.reporter import Reporter
-from strata.config import SidecarConfig, TierName
-from strata.policies import tier_policies
-from strata.promotion import PromotionEngine, PromotionEvent
+from strata.config import TIER_ORDER, StrataConfig, TierName
+from strata.errors import TierError
+from strata.protocol import RestoreEvent, SaveEvent
 from strata.reports import MAX_EVENTS, Promotion, ReportedError, Restore, SidecarReport, TierState
-from strata.tiers.base import Tier, TierError
+from strata.sidecar.http import Routes, serve_tcp, serve_unix
+from strata.sidecar.janitor import touch_heartbeat
+from strata.sidecar.local_api import LocalApi
+from strata.sidecar.metrics import Metrics
+from strata.sidecar.promotion import PromotionEngine, PromotionEvent
+from strata.sidecar.promotion.policies import tier_policies
+from strata.sidecar.reporter import Reporter
+from strata.tiers.base import Tier
 from strata.tiers.posix import PosixTier
 from strata.tiers.ram import RamTier
 
@@ -60,7 +62,7 @@ class Sidecar:
 
     def __init__(
         self,
-        config: SidecarConfig,
+        config: StrataConfig,
         *,
         poll_seconds: float = 0.5,
         report_seconds: float = REPORT_SECONDS,
@@ -142,7 +144,10 @@ class Sidecar:
             with self._events_lock:
                 self._promotions.append(
                     Promotion(
-                        tier=event.tier, step=event.step, bytes=event.nbytes, seconds=event.seconds
+                        tier=event.tier,
+                        step=event.step,
+                        bytes=event.nbytes,
+                        seconds=event.seconds,
                     )
                 )
             self._report_due.set()
@@ -160,22 +165,19 @@ class Sidecar:
             self._errors.append(ReportedError(tier=tier, message=message[:2048]))
         self._report_due.set()
 
-    def _on_client_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("kind")
-        if kind == "save" and not event.get("ok", True):
-            self._error("ram", f"save of step {event.get('step')} failed: {event.get('error')}")
-        elif kind == "restore":
-            outcome = event.get("outcome", "restored")
-            tier = event.get("tier")
-            step = event.get("step")
+    def _on_client_event(self, event: SaveEvent | RestoreEvent) -> None:
+        if isinstance(event, SaveEvent):
+            if not event.ok:
+                self._error("ram", f"save of step {event.step} failed: {event.error}")
+        else:
             restore = Restore(
-                tier=tier if tier in ("ram", "pvc", "gcs") else None,
-                step=step if isinstance(step, int) and step >= 0 else None,
-                bytes=int(event.get("nbytes") or 0),
-                seconds=float(event.get("seconds") or 0.0),
-                outcome=outcome if outcome in ("restored", "fresh-start", "failed") else "failed",
-                skipped=[str(s)[:512] for s in (event.get("skipped") or [])][:MAX_EVENTS],
-                rank=event.get("rank") if isinstance(event.get("rank"), int) else None,
+                tier=_tier_name(event.tier),
+                step=event.step,
+                bytes=event.nbytes,
+                seconds=event.seconds,
+                outcome=event.outcome,
+                skipped=[s[:512] for s in event.skipped][:MAX_EVENTS],
+                rank=event.rank,
             )
             self.metrics.restore_total.labels(
                 tier=restore.tier or "none", outcome=restore.outcome
@@ -481,9 +483,8 @@ class Sidecar:
         self._unix = self._tcp = None
         with contextlib.suppress(FileNotFoundError):
             self.config.socket.unlink()
-        closer = getattr(self.durable.get("gcs"), "close", None)
-        if closer is not None:
-            closer()
+        for tier in self.durable.values():
+            tier.close()
 
     def serve(self) -> int:
         """Run until SIGTERM/SIGINT; returns the exit status."""
@@ -493,3 +494,11 @@ class Sidecar:
         self.start_background()
         self.terminate.wait()
         return self.shutdown()
+
+
+def _tier_name(name: str | None) -> TierName | None:
+    """A tier name reported by a client, or None when it names no tier."""
+    for tier in TIER_ORDER:
+        if tier == name:
+            return tier
+    return None

@@ -6,7 +6,7 @@ exists and verifies <=> the shard is committed in that tier.
 
 Tensors are recorded the way ``torch.save`` does: by *storage* (so tied weights and views keep
 sharing) plus per-tensor view metadata (dtype, shape, stride, storage offset). The non-tensor
-state tree is JSON with tagged nodes (see :mod:`strata.codec`); nothing is unpickled on load.
+state tree is JSON with tagged nodes (see :mod:`strata.format.codec`); nothing is unpickled on load.
 
 Checksums: CRC32C (Castagnoli, google-crc32c) of every ``chunk_size`` bytes of the data object
 (``chunk_crc32c``), so a partial read can be verified, and of the whole object (``crc32c``, the
@@ -20,14 +20,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from strata.errors import ManifestError
+
 FORMAT_VERSION = 1
 ALIGN = 64
 """Byte alignment of each storage in the data object (cache line; keeps copies vectorised)."""
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
-
-
-class ManifestError(ValueError):
-    """A manifest is missing, malformed, of another job/world size or an unknown version."""
 
 
 class StorageEntry(BaseModel):
@@ -64,7 +62,7 @@ class Manifest(BaseModel):
     writer_id: str
     created: datetime = Field(default_factory=lambda: datetime.now(UTC))
     tree: Any
-    """The state tree with tensors replaced by ``{"__tensor__": index}`` (see strata.codec)."""
+    """The state tree with tensors replaced by ``{"__tensor__": index}`` (see strata.format.codec)."""
     tensors: list[TensorEntry]
     storages: list[StorageEntry]
     data_nbytes: Annotated[int, Field(ge=0)]

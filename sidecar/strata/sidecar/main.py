@@ -9,10 +9,9 @@ import os
 import platform
 import sys
 
-from strata.agent.logs import setup_logging
-from strata.config import ConfigError, SidecarConfig
-from strata.policies import PolicyError
-from strata.tiers.base import TierError
+from strata.config import StrataConfig
+from strata.errors import ConfigError, PolicyError, TierError
+from strata.sidecar.logs import setup_logging
 
 log = logging.getLogger("strata.sidecar")
 
@@ -56,8 +55,8 @@ def run_sidecar(log_level: str = "INFO") -> int:
     os.umask(0o002)
     lower_priority()
     try:
-        config = SidecarConfig.from_env()
-        from strata.agent.service import Sidecar
+        config = StrataConfig.from_env()
+        from strata.sidecar.service import Sidecar
 
         sidecar = Sidecar(config)
     except (ConfigError, PolicyError) as exc:

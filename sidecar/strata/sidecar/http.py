@@ -7,11 +7,9 @@ bodies are JSON objects; errors are ``{"error": "...", "kind": "..."}`` with a 4
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
-import socket
 import socketserver
 import threading
 from collections.abc import Callable
@@ -20,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-log = logging.getLogger("strata.agent.http")
+log = logging.getLogger("strata.sidecar.http")
 
 JsonHandler = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
 """(request body or query as a dict) -> (HTTP status, response object)."""
@@ -142,22 +140,3 @@ def serve_tcp(host: str, port: int, routes: Routes) -> ThreadingHTTPServer:
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="strata-metrics", daemon=True).start()
     return server
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """``http.client`` over a unix socket (the trainer side of the local API)."""
-
-    def __init__(self, path: str, timeout: float | None = None) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._unix_path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if self.timeout is not None:
-            sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._unix_path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock

@@ -24,11 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from strata.config import Interval, SidecarConfig, TierName
-
-
-class PolicyError(ValueError):
-    """Conflicting or invalid policy options; the message names them."""
+from strata.config import Interval, StrataConfig, TierName
+from strata.errors import PolicyError
 
 
 @runtime_checkable
@@ -192,7 +189,7 @@ class TierPolicy:
     retention: RetentionPolicy
 
 
-def tier_policies(config: SidecarConfig) -> dict[TierName, TierPolicy]:
+def tier_policies(config: StrataConfig) -> dict[TierName, TierPolicy]:
     """Policies of every configured tier, validated against each other.
 
     Raises :class:`PolicyError` when a durable tier's step interval cannot be honoured because

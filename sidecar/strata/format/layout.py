@@ -1,7 +1,12 @@
-"""Checkpoint layout, identical in every tier (DESIGN.md "Checkpoint layout").
+"""Checkpoint layout, identical in every tier (docs/architecture.md "Layout").
 
 ``<tier root>/<job id>/steps/<step:012d>/rank-<rank:05d>.data``      tensor bytes
 ``<tier root>/<job id>/steps/<step:012d>/rank-<rank:05d>.manifest``  written LAST (commit point)
+
+The RAM tier also holds each rank's ring of pre-allocated slot files (the step's ``.data`` is a
+hard link to one of them):
+
+``<ram root>/<job id>/slots/rank-<rank:05d>/slot-<k>``
 
 Paths here are relative, '/'-separated keys, usable as POSIX sub-paths and GCS object names.
 """
@@ -18,6 +23,8 @@ QUARANTINE_SUFFIX = ".quarantined"
 
 _SHARD_RE = re.compile(r"^rank-(\d{5})\.(data|manifest)$")
 _STEP_RE = re.compile(r"^\d{12}$")
+_RANK_DIR_RE = re.compile(r"^rank-(\d+)$")
+_SLOT_RE = re.compile(r"^slot-(\d+)$")
 
 
 def step_name(step: int) -> str:
@@ -57,3 +64,30 @@ def parse_shard(name: str) -> tuple[int, str] | None:
     """``'rank-00003.manifest'`` -> (3, 'manifest'); anything else -> None."""
     m = _SHARD_RE.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
+
+
+def slots_prefix(job_id: str) -> str:
+    """``<job>/slots``: the RAM tier's slot rings of every rank of the job."""
+    return f"{job_id}/slots"
+
+
+def rank_slots_key(job_id: str, rank: int) -> str:
+    """``<job>/slots/rank-RRRRR``: the slot files of one rank."""
+    return f"{slots_prefix(job_id)}/{shard_stem(rank)}"
+
+
+def slot_name(k: int) -> str:
+    """``3`` -> ``'slot-3'``."""
+    return f"slot-{k}"
+
+
+def parse_slot(name: str) -> int | None:
+    """``'slot-3'`` -> 3; anything else -> None."""
+    m = _SLOT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_rank_dir(name: str) -> int | None:
+    """``'rank-00003'`` (a rank's slot directory) -> 3; anything else -> None."""
+    m = _RANK_DIR_RE.match(name)
+    return int(m.group(1)) if m else None

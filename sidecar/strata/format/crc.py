@@ -27,7 +27,7 @@ from pathlib import Path
 
 import google_crc32c
 
-from strata.manifest import DEFAULT_CHUNK_SIZE
+from strata.format.manifest import DEFAULT_CHUNK_SIZE
 
 _POLY = 0x82F63B78
 """CRC32C polynomial, reflected (bit-reversed 0x1EDC6F41)."""

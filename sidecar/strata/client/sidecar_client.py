@@ -1,0 +1,244 @@
+"""The trainer's side of the sidecar's local API (torch-free; used by :class:`strata.Checkpointer`).
+
+:class:`SidecarClient` implements the client's two seams over the unix socket:
+
+- :class:`strata.tiers.ram.SlotProvider` (``acquire_slot``): the sidecar allocates and pre-faults
+  the slot files, so their tmpfs pages are charged to the sidecar's container;
+- the ``Stager`` protocol of :mod:`strata.client` (``inventory``, ``stage``): the sidecar lists
+  the tiers and stages a shard into RAM, verifying and falling back RAM -> PVC -> GCS;
+
+plus ``report`` (save/restore events -> the sidecar's metrics and operator reports; best effort,
+never raises). :func:`connect` returns a client only when a ready sidecar answers on the socket,
+so a trainer without a sidecar (or with a stale socket file) falls back to direct tier access.
+
+Every request and reply is a :mod:`strata.protocol` message. Errors map back to the tier
+exceptions the client already handles: 507 -> ``TierFull``, 409 -> ``SlotsBusy``, 404 from stage
+-> :class:`strata.errors.StageError`, 400 or a reply that is not the expected message ->
+:class:`strata.errors.ProtocolError`, anything else -> ``TierError`` naming the socket and the
+sidecar's message. Rule: never imports :mod:`strata.sidecar` (only the protocol).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import socket
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from strata.errors import (
+    ProtocolError,
+    SidecarUnavailable,
+    SlotsBusy,
+    StageError,
+    TierError,
+    TierFull,
+)
+from strata.protocol import (
+    ErrorReply,
+    HealthReply,
+    InventoryReply,
+    InventoryRequest,
+    Message,
+    RestoreEvent,
+    SaveEvent,
+    SlotReply,
+    SlotRequest,
+    StageReply,
+    StageRequest,
+    StatusReply,
+    parse_event,
+    parse_reply,
+)
+from strata.restore import RankInventory, StageResult
+
+log = logging.getLogger("strata.sidecar.client")
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """``http.client`` over a unix socket (the trainer side of the local API)."""
+
+    def __init__(self, path: str, timeout: float | None = None) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if self.timeout is not None:
+            sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._unix_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class SidecarClient:
+    """JSON calls to the sidecar on ``socket_path``; ``timeout``: seconds per call (staging a
+    large shard from GCS can take minutes, so ``stage`` uses ``stage_timeout``)."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        timeout: float = 30.0,
+        stage_timeout: float = 3600.0,
+    ) -> None:
+        self.socket_path = str(socket_path)
+        self.timeout = timeout
+        self.stage_timeout = stage_timeout
+
+    def __repr__(self) -> str:
+        return f"SidecarClient({self.socket_path!r})"
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Message | None = None,
+        timeout: float | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """One call: ``body`` (a :mod:`strata.protocol` request) as JSON; returns the status and
+        the JSON object answered. Raises :class:`SidecarUnavailable` when nobody answers."""
+        conn = UnixHTTPConnection(self.socket_path, timeout=timeout or self.timeout)
+        try:
+            payload = (
+                (body.model_dump_json() if body is not None else "{}").encode()
+                if method == "POST"
+                else None
+            )
+            headers = {"Content-Type": "application/json"} if payload is not None else {}
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+            raw = response.read()
+            status = response.status
+        except OSError as exc:
+            raise SidecarUnavailable(
+                f"the Strata sidecar did not answer on {self.socket_path} ({exc}); is the sidecar "
+                "container running? (the trainer falls back to direct tier access when it starts "
+                "without one)"
+            ) from exc
+        finally:
+            conn.close()
+        try:
+            data = json.loads(raw or b"{}")
+        except json.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict):
+            data = ErrorReply(
+                error=raw[:512].decode(errors="replace"), kind="bad_response"
+            ).model_dump()
+        return status, data
+
+    def _ok(self, status: int, data: dict[str, Any], what: str) -> dict[str, Any]:
+        if status == 200:
+            return data
+        message = f"sidecar {what} failed ({status} {data.get('kind')}): {data.get('error')}"
+        if status == 400:
+            raise ProtocolError(message)
+        if status == 507:
+            raise TierFull(message)
+        if status == 409:
+            raise SlotsBusy(message)
+        raise TierError(message)
+
+    # -- health -------------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        try:
+            status, data = self.call("GET", "/healthz", timeout=min(self.timeout, 2.0))
+        except SidecarUnavailable:
+            return False
+        if status not in (200, 503):
+            return False
+        return parse_reply(HealthReply, data, self.socket_path).ready
+
+    # -- SlotProvider -------------------------------------------------------------------------------
+
+    def acquire_slot(
+        self, job_id: str, rank: int, nbytes: int, exclude: Collection[Path] = ()
+    ) -> Path:
+        """A slot file of at least ``nbytes`` bytes, allocated by the sidecar (SlotProvider)."""
+        status, data = self.call(
+            "POST",
+            "/v1/slots",
+            SlotRequest(job_id=job_id, rank=rank, nbytes=nbytes, exclude=[str(p) for p in exclude]),
+        )
+        reply = parse_reply(SlotReply, self._ok(status, data, "slot allocation"), self.socket_path)
+        return Path(reply.path)
+
+    # -- Stager -------------------------------------------------------------------------------------
+
+    def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory:
+        status, data = self.call(
+            "POST",
+            "/v1/inventory",
+            InventoryRequest(job_id=job_id, rank=rank, world_size=world_size),
+        )
+        body = self._ok(status, data, "inventory")
+        return parse_reply(InventoryReply, body, self.socket_path).inventory()
+
+    def stage(
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        sources: Sequence[str] | None = None,
+    ) -> StageResult:
+        status, data = self.call(
+            "POST",
+            "/v1/stage",
+            StageRequest(
+                job_id=job_id,
+                step=step,
+                rank=rank,
+                world_size=world_size,
+                sources=list(sources) if sources is not None else None,
+            ),
+            timeout=self.stage_timeout,
+        )
+        if status == 404 and data.get("kind") == "stage_error":
+            err = parse_reply(ErrorReply, data, self.socket_path)
+            raise StageError(err.error, list(err.skipped), list(err.quarantined))
+        body = self._ok(status, data, "staging")
+        return parse_reply(StageReply, body, self.socket_path).result()
+
+    # -- reports ------------------------------------------------------------------------------------
+
+    def report(self, event: SaveEvent | RestoreEvent | Mapping[str, Any]) -> None:
+        """Send a save/restore event (a :data:`strata.protocol.ClientEvent`, or its fields);
+        best effort: a failure is logged at debug, never raised."""
+        try:
+            message = event if isinstance(event, Message) else parse_event(dict(event))
+        except ValueError as exc:
+            log.debug("report not sent: %s", exc)
+            return
+        try:
+            status, data = self.call("POST", "/v1/report", message, timeout=min(self.timeout, 2.0))
+            if status != 200:
+                log.debug("sidecar refused a report: %s", data)
+        except SidecarUnavailable as exc:
+            log.debug("report not delivered: %s", exc)
+
+    def status(self) -> StatusReply:
+        status, data = self.call("GET", "/v1/status")
+        return parse_reply(StatusReply, self._ok(status, data, "status"), self.socket_path)
+
+
+def connect(socket_path: str | os.PathLike[str], **kwargs: Any) -> SidecarClient | None:
+    """An :class:`SidecarClient` when a ready sidecar answers on ``socket_path``, else None."""
+    if not Path(socket_path).is_socket():
+        return None
+    client = SidecarClient(socket_path, **kwargs)
+    if client.ready():
+        return client
+    log.warning(
+        "a Strata sidecar socket exists at %s but no ready sidecar answers; using the tiers "
+        "directly",
+        socket_path,
+    )
+    return None

@@ -1,0 +1,246 @@
+"""The trainer <-> sidecar protocol: typed messages of the sidecar's local API.
+
+Both ends use these models: the trainer's :class:`strata.client.sidecar_client.SidecarClient`
+builds requests and parses replies with them, the sidecar's
+:class:`strata.sidecar.local_api.LocalApi` parses requests and builds replies with them. The wire
+format is JSON over HTTP on a unix socket (``StrataConfig.socket``); the endpoints:
+
+=====================  ========================  ==================================
+endpoint               request                   reply (200)
+=====================  ========================  ==================================
+``GET  /healthz``      --                        :class:`HealthReply` (503 before ready)
+``POST /v1/slots``     :class:`SlotRequest`      :class:`SlotReply`
+``POST /v1/inventory`` :class:`InventoryRequest` :class:`InventoryReply`
+``POST /v1/stage``     :class:`StageRequest`     :class:`StageReply`
+``POST /v1/report``    :class:`ClientEvent`      :class:`ReportReply`
+``GET  /v1/status``    --                        :class:`StatusReply`
+=====================  ========================  ==================================
+
+Any other status carries an :class:`ErrorReply` whose ``kind`` says what happened
+(``bad_request`` 400, ``wrong_job`` 403, ``stage_error`` 404, ``slots_busy`` 409,
+``tier_full`` 507, ``tier_error`` 500/507, ``internal`` 500).
+
+Fields a newer peer adds are ignored (``extra="ignore"``) so that a trainer image and a sidecar
+image of neighbouring versions still talk; a missing or mistyped field is a 400 naming it.
+Rule: this module imports only the format and the restore data types; both the client and the
+sidecar import it, it imports neither.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from strata.errors import ProtocolError
+from strata.format.manifest import Manifest
+from strata.restore.plan import RankInventory
+from strata.restore.staging import StageResult
+
+NonNegative = Annotated[int, Field(ge=0)]
+M = TypeVar("M", bound=BaseModel)
+
+
+class Message(BaseModel):
+    """Base of every message (immutable; unknown fields ignored, see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class JobRequest(Message):
+    """Every request names the job; the sidecar refuses another job's id (403 ``wrong_job``)."""
+
+    job_id: str
+
+
+# -- health and status --------------------------------------------------------------------------
+
+
+class HealthReply(Message):
+    ready: bool
+
+
+class StatusReply(Message):
+    """The promotion engine's view of this pod."""
+
+    job_id: str
+    ready: bool
+    local_ranks: list[int]
+    ram_step: int | None
+    """Newest step committed in RAM for every local rank."""
+    promoted: dict[str, int | None]
+    """Durable tier -> newest step this sidecar promoted there (or found at start)."""
+
+
+# -- slots -------------------------------------------------------------------------------------
+
+
+class SlotRequest(JobRequest):
+    """A RAM slot of rank ``rank`` holding at least ``nbytes`` bytes, not one of ``exclude``
+    (paths of slots the trainer failed to lock)."""
+
+    rank: NonNegative
+    nbytes: NonNegative
+    exclude: list[str] = []
+
+
+class SlotReply(Message):
+    path: str
+
+
+# -- restore -------------------------------------------------------------------------------------
+
+
+class InventoryRequest(JobRequest):
+    rank: NonNegative
+    world_size: Annotated[int, Field(ge=1)]
+
+
+class InventoryReply(Message):
+    """:class:`strata.restore.plan.RankInventory` on the wire: tier -> step -> ranks."""
+
+    rank: int
+    world_size: int
+    committed: dict[str, dict[int, list[int]]]
+    partial: dict[str, dict[int, list[int]]] = {}
+    notes: list[str] = []
+
+    @classmethod
+    def of(cls, inventory: RankInventory) -> InventoryReply:
+        return cls.model_validate(inventory.to_dict())
+
+    def inventory(self) -> RankInventory:
+        return RankInventory.from_dict(self.model_dump())
+
+
+class StageRequest(JobRequest):
+    """Stage rank ``rank``'s shard of ``step`` into RAM from ``sources`` (tier names, nearest
+    first; None: every tier)."""
+
+    step: NonNegative
+    rank: NonNegative
+    world_size: Annotated[int, Field(ge=1)]
+    sources: list[str] | None = None
+
+
+class StageReply(Message):
+    """:class:`strata.restore.staging.StageResult` on the wire."""
+
+    tier: str
+    path: str
+    manifest: Manifest
+    nbytes: int
+    seconds: float
+    skipped: list[str] = []
+    quarantined: list[str] = []
+    """Tiers whose copy failed verification and was quarantined on the way."""
+
+    @classmethod
+    def of(cls, result: StageResult) -> StageReply:
+        return cls(
+            tier=result.tier,
+            path=str(result.path),
+            manifest=result.manifest,
+            nbytes=result.nbytes,
+            seconds=result.seconds,
+            skipped=list(result.skipped),
+            quarantined=list(result.quarantined),
+        )
+
+    def result(self) -> StageResult:
+        return StageResult(
+            tier=self.tier,
+            path=Path(self.path),
+            manifest=self.manifest,
+            nbytes=self.nbytes,
+            seconds=self.seconds,
+            skipped=list(self.skipped),
+            quarantined=list(self.quarantined),
+        )
+
+
+# -- client events -------------------------------------------------------------------------------
+
+
+class SaveEvent(JobRequest):
+    """A save by the trainer: ``ok`` with its stall (seconds the training loop was blocked), or
+    the error that made it fail."""
+
+    kind: Literal["save"] = "save"
+    rank: NonNegative | None = None
+    step: NonNegative
+    ok: bool = True
+    stall_seconds: Annotated[float, Field(ge=0)] | None = None
+    error: str | None = None
+
+
+class RestoreEvent(JobRequest):
+    """A restore by the trainer: which step, from which tier, how long it took."""
+
+    kind: Literal["restore"] = "restore"
+    rank: NonNegative | None = None
+    step: NonNegative | None = None
+    tier: str | None = None
+    nbytes: NonNegative = 0
+    seconds: Annotated[float, Field(ge=0)] = 0.0
+    outcome: Literal["restored", "fresh-start", "failed"] = "restored"
+    skipped: list[str] = []
+
+
+ClientEvent = Annotated[SaveEvent | RestoreEvent, Field(discriminator="kind")]
+"""What ``POST /v1/report`` carries (``kind``: ``save`` or ``restore``)."""
+
+client_event: TypeAdapter[SaveEvent | RestoreEvent] = TypeAdapter(ClientEvent)
+
+
+class ReportReply(Message):
+    accepted: bool
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+class ErrorReply(Message):
+    """The body of every non-200 reply."""
+
+    error: str
+    kind: str
+    skipped: list[str] = []
+    """``stage_error`` only: why each tier did not serve."""
+    quarantined: list[str] = []
+    """``stage_error`` only: tiers whose copy was quarantined."""
+
+
+def parse(model: type[M], body: Any, what: str) -> M:
+    """Validate ``body`` as ``model``; :class:`ValueError` naming every bad field otherwise
+    (the local API turns it into a 400, the client into a :class:`ProtocolError`)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise ValueError(f"{what}: {describe(exc)}") from None
+
+
+def parse_event(body: Any) -> SaveEvent | RestoreEvent:
+    """Validate a ``/v1/report`` body; :class:`ValueError` naming the bad fields otherwise."""
+    try:
+        return client_event.validate_python(body)
+    except ValidationError as exc:
+        raise ValueError(f"client event: {describe(exc)}") from None
+
+
+def parse_reply(model: type[M], body: Any, socket: str) -> M:
+    """Validate a reply from the sidecar; :class:`ProtocolError` naming the socket otherwise."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise ProtocolError(
+            f"the sidecar on {socket} answered an unexpected {model.__name__} ({describe(exc)}); "
+            "the trainer's and the sidecar's Strata versions must match"
+        ) from None
+
+
+def describe(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or '<body>'}: {err['msg']}" for err in exc.errors()
+    )

@@ -1,0 +1,176 @@
+"""Restore planning: which step every rank loads (pure; no I/O, no tiers).
+
+docs/architecture.md "Restore (nearest surviving tier)":
+
+1. each rank takes an inventory (:func:`collect_inventory`): per tier, the steps and the ranks
+   whose shard is committed there; data without a manifest (C-03) and steps of another world
+   size are noted and left out;
+2. with torch.distributed the ranks all-gather their inventories so that :func:`plan_restore`,
+   a pure function of the gathered inventories, picks the *same* step on every rank: the newest
+   step for which EVERY rank has a committed shard in some tier it can reach. Ranks never mix
+   steps (C-07). A *local* tier (RAM: a node's tmpfs) only serves the rank that reported it; a
+   shared tier (PVC, GCS) serves every rank;
+3. each rank stages its shard (:func:`stage_shard`): RAM hit verified in place, else copied from
+   the next tier and verified; a mismatch quarantines that copy and falls to the next tier
+   (C-04; a quarantined copy is no longer listed, so it is never retried in a loop); when no tier
+   serves, :class:`StageError` tells the caller to re-plan without that step.
+
+The socket-backed sidecar implements the same inventory / stage steps; both speak
+:class:`RankInventory` and :class:`StageResult`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.config import TIER_ORDER
+
+log = logging.getLogger(__name__)
+
+LOCAL_TIERS: frozenset[str] = frozenset({"ram"})
+"""Tiers whose content only the reporting rank (its node) can read."""
+
+Holdings = Mapping[str, Mapping[int, frozenset[int]]]
+"""tier name -> step -> ranks whose shard of that step is committed in that tier."""
+
+
+@dataclass(frozen=True)
+class RankInventory:
+    """What one rank can see: committed (and partial) shards per tier and step, plus notes."""
+
+    rank: int
+    world_size: int
+    committed: Holdings
+    partial: Holdings = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain builtins (for all_gather_object and the sidecar socket)."""
+
+        def plain(h: Holdings) -> dict[str, dict[int, list[int]]]:
+            return {t: {s: sorted(r) for s, r in steps.items()} for t, steps in h.items()}
+
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "committed": plain(self.committed),
+            "partial": plain(self.partial),
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RankInventory:
+        def holdings(
+            h: Mapping[str, Mapping[Any, Iterable[int]]],
+        ) -> dict[str, dict[int, frozenset[int]]]:
+            return {
+                t: {int(s): frozenset(int(r) for r in rs) for s, rs in steps.items()}
+                for t, steps in h.items()
+            }
+
+        return cls(
+            rank=int(d["rank"]),
+            world_size=int(d["world_size"]),
+            committed=holdings(d.get("committed", {})),
+            partial=holdings(d.get("partial", {})),
+            notes=tuple(d.get("notes", ())),
+        )
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """The step every rank restores and, per rank, the tiers holding its shard (nearest first)."""
+
+    step: int
+    sources: Mapping[int, tuple[str, ...]]
+
+
+def shard_sources(
+    inventories: Sequence[RankInventory],
+    world_size: int,
+    step: int,
+    order: Sequence[str] = TIER_ORDER,
+    local_tiers: frozenset[str] = LOCAL_TIERS,
+) -> dict[int, tuple[str, ...]]:
+    """Per rank, the tiers (in ``order``) from which that rank can read its shard of ``step``."""
+    by_rank = {inv.rank: inv for inv in inventories}
+    out: dict[int, tuple[str, ...]] = {}
+    for r in range(world_size):
+        tiers = []
+        for t in order:
+            if t in local_tiers:
+                own = by_rank.get(r)
+                ok = own is not None and r in own.committed.get(t, {}).get(step, frozenset())
+            else:
+                ok = any(
+                    r in inv.committed.get(t, {}).get(step, frozenset()) for inv in inventories
+                )
+            if ok:
+                tiers.append(t)
+        out[r] = tuple(tiers)
+    return out
+
+
+def restorable_steps(
+    inventories: Sequence[RankInventory],
+    world_size: int,
+    order: Sequence[str] = TIER_ORDER,
+    exclude: Iterable[int] = (),
+    local_tiers: frozenset[str] = LOCAL_TIERS,
+) -> list[int]:
+    """Steps for which every rank 0..world_size-1 can read a committed shard, newest first."""
+    excluded = set(exclude)
+    candidates = {
+        s for inv in inventories for steps in inv.committed.values() for s in steps
+    } - excluded
+    return sorted(
+        (
+            s
+            for s in candidates
+            if all(shard_sources(inventories, world_size, s, order, local_tiers).values())
+        ),
+        reverse=True,
+    )
+
+
+def plan_restore(
+    inventories: Sequence[RankInventory],
+    world_size: int,
+    order: Sequence[str] = TIER_ORDER,
+    exclude: Iterable[int] = (),
+    local_tiers: frozenset[str] = LOCAL_TIERS,
+) -> RestorePlan | None:
+    """The newest restorable step (see the module docstring), or None when there is none.
+
+    Pure and deterministic: every rank given the same gathered inventories gets the same plan.
+    ``exclude``: steps that failed to stage on some rank (re-planning). Without
+    torch.distributed only the own inventory is known; other ranks are then served only by
+    shared tiers (their RAM is invisible), so ranks still agree unless RAM alone decides.
+    """
+    for inv in inventories:
+        if inv.world_size != world_size:
+            raise ValueError(
+                f"rank {inv.rank} runs with world size {inv.world_size}, this rank with "
+                f"{world_size}: every rank must agree on WORLD_SIZE"
+            )
+    steps = restorable_steps(inventories, world_size, order, exclude, local_tiers)
+    if not steps:
+        return None
+    step = steps[0]
+    return RestorePlan(step, shard_sources(inventories, world_size, step, order, local_tiers))
+
+
+def skipped_partial_steps(inventories: Sequence[RankInventory]) -> list[str]:
+    """Human-readable notes for step directories with data but no manifest (C-03)."""
+    notes = []
+    for inv in inventories:
+        for tier, steps in inv.partial.items():
+            for step, ranks in sorted(steps.items()):
+                notes.append(
+                    f"{tier}: step {step} has data without a manifest for ranks "
+                    f"{sorted(ranks)} (a save or promotion was interrupted); skipped"
+                )
+    return sorted(set(notes))

@@ -1,0 +1,157 @@
+"""Staging: getting one rank's shard of a planned step into the RAM tier, verified.
+
+:func:`stage_into_ram` is the ONE routine that does it, used by the trainer without a sidecar
+(:class:`strata.client.LocalStager`) and by the sidecar's local API
+(``POST /v1/stage``): the nearest tier that serves (:func:`stage_shard`), copied into a RAM slot
+under the slot's write lock and committed in the RAM tier so that the next restore is a RAM hit.
+Tiers are used only through the :class:`strata.tiers.base.Tier` contract.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from strata.errors import ShardCorrupt, ShardUnavailable, StageError, TierError
+from strata.format.manifest import Manifest
+from strata.tiers.base import Tier
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import SlotProvider, SlotWriteLock
+
+
+@dataclass
+class StageResult:
+    """Provenance of one staged shard: where it came from and where it now lies."""
+
+    tier: str
+    """The tier that served it (``ram`` for a RAM hit)."""
+    path: Path
+    """The data object to load (the RAM shard itself, or the slot it was copied into)."""
+    manifest: Manifest
+    nbytes: int
+    seconds: float
+    skipped: list[str] = field(default_factory=list)
+    """Why nearer tiers did not serve (missing, quarantined after a mismatch, ...)."""
+    quarantined: list[str] = field(default_factory=list)
+    """Tiers whose copy failed verification and was quarantined on the way (for metrics)."""
+
+
+SlotTarget = Path | Callable[[int], Path]
+"""Where a copied shard goes: a path, or a callable giving a path for ``nbytes`` (a RAM slot)."""
+
+
+def stage_shard(
+    tiers: Sequence[Tier],
+    job_id: str,
+    step: int,
+    rank: int,
+    slot_path: SlotTarget,
+    *,
+    world_size: int | None = None,
+    verify: bool = True,
+) -> StageResult:
+    """Get rank ``rank``'s shard of ``step`` from the nearest tier of ``tiers`` that verifies.
+
+    - a tier that serves in place (:meth:`Tier.read_in_place`; the RAM tier) is verified where
+      it lies (a shard whose writer died before its checksum pass is checksummed now; noted in
+      ``skipped``); ``path`` is that tier's data file.
+    - any other tier: ``fetch_shard`` into ``slot_path`` (verified while copying).
+    - ``ShardCorrupt`` (checksum mismatch, truncation, a manifest naming another shard):
+      that copy is quarantined and the next tier is tried. ``ShardUnavailable`` / other
+      ``TierError`` (missing, another job or version or world size, unreachable): noted, next.
+
+    Each tier is tried once. Raises :class:`StageError` (listing every tier searched and why)
+    when none serves; the caller re-plans without ``step``.
+    """
+    skipped: list[str] = []
+    quarantined: list[str] = []
+    for tier in tiers:
+        t0 = time.perf_counter()
+        try:
+            hit = tier.read_in_place(job_id, step, rank, world_size=world_size, verify=verify)
+            if hit is not None:
+                m, path = hit.manifest, hit.path
+                skipped.extend(hit.notes)
+            else:
+                m = tier.get_manifest(job_id, step, rank)
+                _check_world(m, world_size, tier)
+                path = slot_path(m.data_nbytes) if callable(slot_path) else Path(slot_path)
+                m = tier.fetch_shard(job_id, step, rank, path, verify=verify)
+                _check_world(m, world_size, tier)
+        except ShardCorrupt as exc:
+            skipped.append(f"{tier.name}: {exc} (quarantined)")
+            quarantined.append(tier.name)
+            try:
+                tier.quarantine(job_id, step, rank, str(exc))
+            except TierError as qexc:
+                skipped.append(f"{tier.name}: quarantine failed: {qexc}")
+            continue
+        except (TierError, OSError) as exc:
+            skipped.append(f"{tier.name}: {exc}")
+            continue
+        return StageResult(
+            tier.name, path, m, m.data_nbytes, time.perf_counter() - t0, skipped, quarantined
+        )
+    searched = ", ".join(f"{t.name}" for t in tiers) or "no tiers"
+    raise StageError(
+        f"no tier could serve rank {rank} of step {step} of job {job_id!r} (searched {searched}): "
+        + "; ".join(skipped),
+        skipped,
+        quarantined,
+    )
+
+
+def _check_world(m: Manifest, world_size: int | None, tier: Tier) -> None:
+    if world_size is not None and m.world_size != world_size:
+        raise ShardUnavailable(
+            f"{tier.name}: step {m.step} rank {m.rank} was written with world size "
+            f"{m.world_size}, this job runs with {world_size}"
+        )
+
+
+def stage_into_ram(
+    tiers: Sequence[Tier],
+    ram: RamTier,
+    slots: SlotProvider,
+    job_id: str,
+    step: int,
+    rank: int,
+    *,
+    world_size: int,
+    verify: bool = True,
+    sources: Sequence[str] | None = None,
+    before_allocate: Callable[[int], None] | None = None,
+) -> StageResult:
+    """Put rank ``rank``'s shard of ``step`` into the RAM tier ``ram``, committed there.
+
+    ``tiers``: every tier, nearest first; ``sources``: the names to try (the plan's sources for
+    this rank; None: all). A shard another tier serves is copied into a slot from ``slots``
+    (held under :class:`SlotWriteLock` while it is written and committed, released after).
+    ``before_allocate(nbytes)``: called before a slot is taken (the sidecar refuses a slot ring
+    that would not fit its size limit there). The result's ``path`` is the RAM data file.
+    Raises :class:`StageError` when no tier serves, :class:`TierError` (e.g. ``TierFull``,
+    ``SlotsBusy``) when the RAM tier cannot take the copy.
+    """
+    locks: list[SlotWriteLock] = []
+
+    def slot_for(nbytes: int) -> Path:
+        if before_allocate is not None:
+            before_allocate(nbytes)
+        lock = SlotWriteLock.acquire(slots, job_id, rank, nbytes)
+        locks.append(lock)
+        return lock.path
+
+    try:
+        chosen = [t for t in tiers if sources is None or t.name in sources]
+        res = stage_shard(
+            chosen, job_id, step, rank, slot_for, world_size=world_size, verify=verify
+        )
+        if res.tier != ram.name:
+            ram.commit_slot(job_id, step, rank, res.path, res.manifest)
+            res.path = ram.data_path(job_id, step, rank)
+        return res
+    finally:
+        for lock in locks:
+            lock.release()

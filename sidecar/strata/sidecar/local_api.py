@@ -1,0 +1,251 @@
+"""The trainer-facing local API of the sidecar (JSON over HTTP on a unix socket).
+
+Every request and reply is a message of :mod:`strata.protocol` (the table of endpoints is
+there); this module only handles them. Every call names the job; the sidecar refuses any other
+job id (it never touches another job's data, which matters on a hostPath RAM medium).
+
+- slots: allocate (``posix_fallocate``: the tmpfs pages are charged to the sidecar's
+  container) or reuse a slot file of the rank, the :class:`strata.tiers.slots.SlotProvider`
+  contract; 507 ``tier_full`` when the ring would not fit in ``ram.size_limit_bytes`` (or tmpfs
+  is full), 409 ``slots_busy``.
+- inventory and stage: :func:`strata.restore.collect_inventory` and
+  :func:`strata.restore.stage_into_ram` (the same routine the trainer uses without a sidecar);
+  404 ``stage_error`` with ``skipped`` when no tier serves.
+- report: the client's save/restore events -> metrics and operator reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from strata.config import StrataConfig
+from strata.errors import SlotsBusy, StageError, TierError, TierFull
+from strata.protocol import (
+    HealthReply,
+    InventoryReply,
+    InventoryRequest,
+    M,
+    ReportReply,
+    RestoreEvent,
+    SaveEvent,
+    SlotReply,
+    SlotRequest,
+    StageReply,
+    StageRequest,
+    StatusReply,
+    parse,
+    parse_event,
+)
+from strata.restore import collect_inventory, stage_into_ram
+from strata.sidecar.http import ApiError, Routes
+from strata.sidecar.metrics import Metrics
+from strata.sidecar.promotion import PromotionEngine
+from strata.tiers.base import Tier
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import LocalSlotProvider, slot_size_for
+
+log = logging.getLogger("strata.sidecar.api")
+
+
+def _parse(model: type[M], request: dict[str, Any]) -> M:
+    """The request as its :mod:`strata.protocol` message; 400 ``bad_request`` naming the field."""
+    try:
+        return parse(model, request, model.__name__)
+    except ValueError as exc:
+        raise ApiError(400, "bad_request", str(exc)) from None
+
+
+class LocalApi:
+    """Handlers of the local API; ``routes()`` wires them for :func:`strata.sidecar.http.serve_unix`."""
+
+    def __init__(
+        self,
+        config: StrataConfig,
+        ram: RamTier,
+        tiers: Callable[[], list[Tier]],
+        engine: PromotionEngine,
+        metrics: Metrics,
+        on_client_event: Callable[[SaveEvent | RestoreEvent], None],
+        is_ready: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.ram = ram
+        self.tiers = tiers
+        self.engine = engine
+        self.metrics = metrics
+        self.slots = LocalSlotProvider(ram, keep=config.ram.keep)
+        self.on_client_event = on_client_event
+        self.is_ready = is_ready
+        self._alloc_lock = threading.Lock()
+        self._stage_locks: dict[int, threading.Lock] = {}
+
+    def routes(self) -> Routes:
+        routes = Routes()
+        routes.add("GET", "/healthz", self.healthz)
+        routes.add("POST", "/v1/slots", self.acquire_slot)
+        routes.add("POST", "/v1/inventory", self.inventory)
+        routes.add("GET", "/v1/inventory", self.inventory)
+        routes.add("POST", "/v1/stage", self.stage)
+        routes.add("POST", "/v1/report", self.report)
+        routes.add("GET", "/v1/status", self.status)
+        return routes
+
+    def _job(self, request: dict[str, Any]) -> str:
+        job = request.get("job_id")
+        if not isinstance(job, str) or job != self.config.job_id:
+            raise ApiError(
+                403,
+                "wrong_job",
+                f"this sidecar serves job {self.config.job_id!r}, not {job!r}; the trainer and "
+                "the sidecar must share STRATA_CONFIG / STRATA_JOB_ID",
+            )
+        return job
+
+    # -- endpoints --------------------------------------------------------------------------------
+
+    def healthz(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        ready = self.is_ready()
+        return (200 if ready else 503), HealthReply(ready=ready).model_dump(mode="json")
+
+    def acquire_slot(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        job = self._job(request)
+        msg = _parse(SlotRequest, request)
+        rank, nbytes = msg.rank, msg.nbytes
+        exclude = [Path(p) for p in msg.exclude]
+        self.engine.add_ranks([rank])
+        with self._alloc_lock:
+            self._check_fits(job, rank, nbytes)
+            try:
+                path = self.slots.acquire_slot(job, rank, nbytes, exclude)
+            except TierFull as exc:
+                raise ApiError(507, "tier_full", str(exc)) from None
+            except SlotsBusy as exc:
+                raise ApiError(409, "slots_busy", str(exc)) from None
+        return 200, SlotReply(path=str(path)).model_dump(mode="json")
+
+    def _check_fits(self, job: str, rank: int, nbytes: int) -> None:
+        """Refuse a slot ring that would not fit in ``ram.size_limit_bytes`` (clear message)."""
+        limit = self.config.ram.size_limit_bytes
+        if limit is None:
+            return
+        sizes = self.ram.slot_sizes(job)
+        own = sizes.pop(rank, [])
+        used_other = sum(sum(s) for s in sizes.values())
+        ring = self.config.ram.keep + 1
+        want = slot_size_for(nbytes)
+        # The ring of this rank after the request: at least keep+1 slots of at least `want`.
+        own_after = sum(max(s, want) for s in own[:ring]) + max(0, ring - len(own)) * want
+        own_after += sum(own[ring:])
+        if used_other + own_after > limit:
+            raise ApiError(
+                507,
+                "tier_full",
+                f"rank {rank}'s checkpoint of {nbytes} bytes needs a ring of {ring} slots of "
+                f"{want} bytes (ram.keep={self.config.ram.keep} + 1); with the {used_other} bytes "
+                f"of other local ranks' slots that is {used_other + own_after} bytes, more than "
+                f"the RAM tier's size limit ram.size_limit_bytes={limit}. Raise the policy's "
+                "spec.tiers.ram.sizeLimit, lower ram.keep, or shrink the state",
+            )
+
+    def inventory(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        job = self._job(request)
+        msg = _parse(InventoryRequest, request)
+        self.engine.add_ranks([msg.rank])
+        inv = collect_inventory(self.tiers(), job, msg.rank, msg.world_size)
+        return 200, InventoryReply.of(inv).model_dump(mode="json")
+
+    def _rank_lock(self, rank: int) -> threading.Lock:
+        with self._alloc_lock:
+            return self._stage_locks.setdefault(rank, threading.Lock())
+
+    def stage(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Stage one shard; stagings of one rank are serialised (a prefetch and the trainer's
+        restore of the same shard never copy it twice into two slots)."""
+        job = self._job(request)
+        msg = _parse(StageRequest, request)
+        self.engine.add_ranks([msg.rank])
+        with self._rank_lock(msg.rank):
+            return self._stage(job, msg)
+
+    def _stage(self, job: str, msg: StageRequest) -> tuple[int, dict[str, Any]]:
+        rank, step = msg.rank, msg.step
+        t0 = time.perf_counter()
+        try:
+            res = stage_into_ram(
+                self.tiers(),
+                self.ram,
+                self.slots,
+                job,
+                step,
+                rank,
+                world_size=msg.world_size,
+                verify=self.config.restore.verify,
+                sources=msg.sources,
+                before_allocate=lambda nbytes: self._check_fits(job, rank, nbytes),
+            )
+        except StageError as exc:
+            self._count_quarantines(exc.quarantined)
+            self.metrics.stage_total.labels(tier="none", outcome="failed").inc()
+            raise ApiError(
+                404,
+                "stage_error",
+                str(exc),
+                {"skipped": exc.skipped, "quarantined": exc.quarantined},
+            ) from None
+        except TierError as exc:
+            raise ApiError(
+                507 if isinstance(exc, TierFull) else 500, "tier_error", str(exc)
+            ) from None
+        seconds = time.perf_counter() - t0
+        self._count_quarantines(res.quarantined)
+        self.metrics.stage_total.labels(tier=res.tier, outcome="staged").inc()
+        self.metrics.stage_duration.labels(tier=res.tier).observe(seconds)
+        log.info(
+            "staged rank %d of step %d from %s (%d bytes, %.3fs)",
+            rank,
+            step,
+            res.tier,
+            res.nbytes,
+            seconds,
+            extra={
+                "event": "staged",
+                "tier": res.tier,
+                "step": step,
+                "rank": rank,
+                "skipped": res.skipped,
+            },
+        )
+        return 200, StageReply.of(res).model_dump(mode="json")
+
+    def _count_quarantines(self, tiers: Sequence[str]) -> None:
+        for tier in tiers:
+            self.metrics.checksum_mismatches.labels(tier=tier).inc()
+
+    def report(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        self._job(request)
+        try:
+            event = parse_event(request)
+        except ValueError as exc:
+            raise ApiError(400, "bad_request", str(exc)) from None
+        if isinstance(event, SaveEvent) and event.ok and event.stall_seconds is not None:
+            self.metrics.save_stall.observe(event.stall_seconds)
+        if event.rank is not None:
+            self.engine.add_ranks([event.rank])
+        self.on_client_event(event)
+        return 200, ReportReply(accepted=True).model_dump(mode="json")
+
+    def status(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        ranks = self.engine.local_ranks()
+        reply = StatusReply(
+            job_id=self.config.job_id,
+            ready=self.is_ready(),
+            local_ranks=sorted(ranks),
+            ram_step=self.engine.newest_ram_step(ranks),
+            promoted={str(t): s for t, s in self.engine.last_promoted().items()},
+        )
+        return 200, reply.model_dump(mode="json")

@@ -1,0 +1,28 @@
+"""The promotion engine: RAM -> PVC -> GCS for the ranks one sidecar serves, split by job.
+
+- :mod:`~strata.sidecar.promotion.round`: :class:`PromotionEngine`, one promotion round;
+- :mod:`~strata.sidecar.promotion.copy`: copying one shard with verification and retries;
+- :mod:`~strata.sidecar.promotion.retention`: retention and GC of a durable tier;
+- :mod:`~strata.sidecar.promotion.pruning`: the RAM tier's start-up pruning;
+- :mod:`~strata.sidecar.promotion.flush`: the SIGTERM flush;
+- :mod:`~strata.sidecar.promotion.policies`: when a tier is due and what it keeps.
+
+Rule: tiers are used only through the :class:`strata.tiers.base.Tier` contract (plus the RAM
+tier's slot leases); nothing here knows a concrete durable tier.
+"""
+
+from strata.sidecar.promotion.events import EventKind, PromotionEvent, RoundResult
+from strata.sidecar.promotion.flush import FlushResult
+from strata.sidecar.promotion.retention import RetentionPlan, plan_retention
+from strata.sidecar.promotion.round import DURABLE_TIERS, PromotionEngine
+
+__all__ = [
+    "DURABLE_TIERS",
+    "EventKind",
+    "FlushResult",
+    "PromotionEngine",
+    "PromotionEvent",
+    "RetentionPlan",
+    "RoundResult",
+    "plan_retention",
+]

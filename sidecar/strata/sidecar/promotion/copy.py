@@ -1,0 +1,149 @@
+"""Copying one shard to a durable tier: from the nearest source that holds it, verified after
+the commit, retried with exponential backoff (at most ``max_attempts`` per (tier, step, rank)).
+
+A source whose bytes do not match its manifest is quarantined (RAM or PVC) and never retried in
+a loop (C-04); a committed copy that fails verification is quarantined in the destination.
+Sources are other tiers that can be read as local files (:meth:`Tier.data_path`) and already
+hold that exact shard (GCS is filled from the PVC when it holds it), else the RAM slot under a
+:class:`~strata.tiers.slots.SlotLease` (C-05: the trainer may be writing the next step meanwhile;
+the lease keeps this step's slot from being reused).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from strata.config import TierName
+from strata.errors import ShardCorrupt, ShardUnavailable, TierError
+from strata.format.manifest import Manifest
+from strata.sidecar.promotion.events import EventKind, PromotionEvent
+from strata.tiers.base import Tier
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import SlotLease
+
+log = logging.getLogger("strata.promotion")
+
+
+class ShardCopier:
+    """Copies shards of ``job_id`` from RAM (or a nearer durable tier) into ``durable`` tiers.
+
+    ``durable``: durable tiers, fastest first. ``lease_timeout``: seconds to wait for a slot's
+    writer. ``backoff_seconds``: delay after the first failure, doubled after each further one.
+    ``emit``: receives every :class:`PromotionEvent`. ``clock``: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        ram: RamTier,
+        durable: Mapping[TierName, Tier],
+        *,
+        emit: Callable[[PromotionEvent], None],
+        clock: Callable[[], float],
+        lease_timeout: float,
+        max_attempts: int,
+        backoff_seconds: float,
+    ) -> None:
+        self.job_id = job_id
+        self.ram = ram
+        self.durable = durable
+        self.emit = emit
+        self.clock = clock
+        self.lease_timeout = lease_timeout
+        self.max_attempts = max_attempts
+        self.backoff_seconds = backoff_seconds
+        self.attempts: dict[tuple[TierName, int, int], tuple[int, float]] = {}
+        """(tier, step, rank) -> (failed attempts, not before this clock time)."""
+
+    def forget_older_than(self, step: int) -> None:
+        for key in [k for k in self.attempts if k[1] < step]:
+            self.attempts.pop(key, None)
+
+    def reset(self, name: TierName, step: int, rank: int) -> None:
+        """Forget the failures of one shard (the SIGTERM flush ignores backoff)."""
+        self.attempts.pop((name, step, rank), None)
+
+    def promote_shard(
+        self, name: TierName, step: int, rank: int, manifest: Manifest
+    ) -> tuple[bool, int, str]:
+        """(committed, bytes written, failure message) for one shard; never raises."""
+        key = (name, step, rank)
+        attempts, not_before = self.attempts.get(key, (0, 0.0))
+        if attempts >= self.max_attempts:
+            return (
+                False,
+                0,
+                f"rank {rank} of step {step} to {name}: gave up after {attempts} attempts",
+            )
+        if self.clock() < not_before:
+            return False, 0, f"rank {rank} of step {step} to {name}: backing off"
+        dest = self.durable[name]
+        try:
+            if self.holds(dest, step, rank, manifest):
+                return True, 0, ""
+            nbytes = self._copy(name, dest, step, rank, manifest)
+            self._verify_copy(dest, step, rank)
+        except Exception as exc:  # one bad shard never stops the engine
+            attempts += 1
+            self.attempts[key] = (
+                attempts,
+                self.clock() + self.backoff_seconds * 2 ** (attempts - 1),
+            )
+            kind: EventKind = "gave_up" if attempts >= self.max_attempts else "failed"
+            msg = f"promoting rank {rank} of step {step} to {name} failed ({attempts}/{self.max_attempts}): {exc}"
+            log.warning(msg, extra={"event": kind, "tier": name, "step": step, "rank": rank})
+            self.emit(PromotionEvent(kind, name, step, (rank,), message=str(exc)))
+            return False, 0, msg
+        self.attempts.pop(key, None)
+        return True, nbytes, ""
+
+    def holds(self, tier: Tier, step: int, rank: int, manifest: Manifest) -> bool:
+        """The tier already holds this exact shard committed (same CRC32C and length)."""
+        try:
+            current = tier.get_manifest(self.job_id, step, rank)
+        except ShardCorrupt as exc:
+            self.quarantine(tier, step, rank, str(exc))
+            return False
+        except ShardUnavailable:
+            return False
+        return current.crc32c == manifest.crc32c and current.data_nbytes == manifest.data_nbytes
+
+    def _copy(self, name: TierName, dest: Tier, step: int, rank: int, manifest: Manifest) -> int:
+        for source_name, source in self.durable.items():
+            if source_name == name:
+                break  # only faster tiers than the destination
+            path = source.data_path(self.job_id, step, rank)
+            if path is None or not self.holds(source, step, rank, manifest):
+                continue
+            try:
+                return dest.put_shard(self.job_id, step, rank, path, manifest)
+            except ShardCorrupt as exc:
+                # That copy does not match its manifest: quarantine it, fall back to RAM now.
+                self.quarantine(source, step, rank, str(exc))
+        with SlotLease(self.ram, self.job_id, step, rank, timeout=self.lease_timeout) as lease:
+            current = lease.manifest
+            if current is None or current.crc32c != manifest.crc32c:
+                raise ShardUnavailable(
+                    f"RAM shard rank {rank} of step {step} changed while being promoted"
+                )
+            try:
+                return dest.put_shard(self.job_id, step, rank, lease.path, current)
+            except ShardCorrupt as exc:
+                self.quarantine(self.ram, step, rank, str(exc))
+                raise
+
+    def _verify_copy(self, dest: Tier, step: int, rank: int) -> None:
+        """Check the committed copy; quarantine it and raise ShardCorrupt when it is bad."""
+        try:
+            dest.verify_shard(self.job_id, step, rank)
+        except ShardCorrupt as exc:
+            self.quarantine(dest, step, rank, f"verification after copy: {exc}")
+            raise
+
+    def quarantine(self, tier: Tier, step: int, rank: int, reason: str) -> None:
+        self.emit(PromotionEvent("checksum_mismatch", tier.name, step, (rank,), message=reason))
+        try:
+            tier.quarantine(self.job_id, step, rank, reason)
+        except TierError as exc:
+            log.error("cannot quarantine rank %d of step %d in %s: %s", rank, step, tier.name, exc)

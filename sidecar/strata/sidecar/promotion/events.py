@@ -1,0 +1,38 @@
+"""What the promotion engine reports: events (to metrics and operator reports) and round results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from strata.config import TierName
+
+EventKind = Literal[
+    "promoted", "failed", "gave_up", "checksum_mismatch", "retention", "gc", "sealed"
+]
+
+
+@dataclass(frozen=True)
+class PromotionEvent:
+    """Something the engine did; ``tier`` is where it happened (the corrupt copy's tier for
+    ``checksum_mismatch``). ``nbytes``: bytes written; ``seconds``: wall time it took."""
+
+    kind: EventKind
+    tier: TierName
+    step: int | None
+    ranks: tuple[int, ...] = ()
+    nbytes: int = 0
+    seconds: float = 0.0
+    message: str = ""
+
+
+@dataclass
+class RoundResult:
+    """Outcome of one :meth:`PromotionEngine.promote_once`."""
+
+    ram_step: int | None = None
+    """Newest step committed (and checksummed) in RAM for every local rank."""
+    promoted: dict[TierName, int] = field(default_factory=dict)
+    """Tier -> step whose local shards are now all committed there (promoted this round)."""
+    failed: dict[TierName, list[str]] = field(default_factory=dict)
+    deleted: dict[TierName, list[int]] = field(default_factory=dict)

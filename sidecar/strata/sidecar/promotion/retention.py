@@ -1,0 +1,169 @@
+"""Retention and garbage collection of one durable tier, for the ranks one sidecar serves.
+
+Per durable tier: complete steps beyond ``keep`` lose this sidecar's ranks
+(:func:`plan_retention`, a pure function); incomplete steps older than the newest complete step
+lose this sidecar's uncommitted data and the shards it wrote itself (writer id) after
+``gc_grace_seconds``; then the tier collects leftovers outside the layout
+(:meth:`strata.tiers.base.Tier.gc_incomplete`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from strata.errors import ShardUnavailable, TierError
+from strata.sidecar.promotion.events import PromotionEvent
+from strata.sidecar.promotion.policies import RetentionPolicy
+from strata.tiers.base import StepListing, Tier
+
+log = logging.getLogger("strata.promotion")
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """Steps of one tier to delete: ``prune`` (complete, beyond keep) and ``gc`` (incomplete,
+    older than the newest complete step, past the grace period). ``waiting``: incomplete old
+    steps still within their grace period."""
+
+    prune: tuple[int, ...] = ()
+    gc: tuple[int, ...] = ()
+    waiting: tuple[int, ...] = ()
+
+
+def plan_retention(
+    listings: Mapping[int, StepListing],
+    retention: RetentionPolicy,
+    *,
+    now: float,
+    grace_seconds: float,
+    first_seen: Mapping[int, float] | None = None,
+) -> RetentionPlan:
+    """Which steps of a tier to delete (pure).
+
+    Rules (docs/architecture.md "Commit protocol"): only complete steps are pruned, by
+    ``retention``, which never returns the newest complete step; nothing is deleted while no
+    step is complete; incomplete steps newer than the newest complete step are never touched (a
+    save or a promotion may be in flight); an incomplete step older than it is garbage once its
+    newest file is older than ``grace_seconds`` (``now`` and ``mtime``: seconds since the epoch;
+    a listing without ``mtime`` counts from ``first_seen[step]``, when this engine first saw it).
+    """
+    complete = sorted(s for s, listing in listings.items() if listing.complete)
+    if not complete:
+        return RetentionPlan()
+    newest = complete[-1]
+    prune = tuple(s for s in retention.to_delete(complete) if s != newest)
+    gc: list[int] = []
+    waiting: list[int] = []
+    for step in sorted(listings):
+        listing = listings[step]
+        if listing.complete or step >= newest:
+            continue
+        since = listing.mtime
+        if since is None:
+            since = (first_seen or {}).get(step, now)
+        (gc if now - since > grace_seconds else waiting).append(step)
+    return RetentionPlan(prune=prune, gc=tuple(gc), waiting=tuple(waiting))
+
+
+class Retention:
+    """Applies :func:`plan_retention` to a tier for the ranks of one sidecar.
+
+    ``wrote(writer_id)``: whether a manifest's writer is this pod (GC deletes only its own
+    committed shards of incomplete steps). ``grace_seconds``: ``StrataConfig.gc_grace_seconds``.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        *,
+        grace_seconds: float,
+        wrote: Callable[[str], bool],
+        emit: Callable[[PromotionEvent], None],
+    ) -> None:
+        self.job_id = job_id
+        self.grace_seconds = grace_seconds
+        self.wrote = wrote
+        self.emit = emit
+
+    def maintain(
+        self,
+        tier: Tier,
+        ranks: set[int],
+        retention: RetentionPolicy,
+        *,
+        now: float,
+        first_seen: dict[int, float],
+    ) -> list[int]:
+        """Retention and GC of ``tier`` for ``ranks``; returns the steps touched.
+
+        ``now``: seconds since the epoch; ``first_seen``: step -> when it was first listed
+        (updated here: new steps added, vanished ones dropped). Never raises a TierError.
+        """
+        if not ranks:
+            return []
+        try:
+            listings = tier.list_steps(self.job_id)
+        except TierError as exc:
+            log.warning("retention on %s skipped: %s", tier.name, exc)
+            return []
+        for s in listings:
+            first_seen.setdefault(s, now)
+        plan = plan_retention(
+            listings,
+            retention,
+            now=now,
+            grace_seconds=self.grace_seconds,
+            first_seen=first_seen,
+        )
+        touched: list[int] = []
+        for step in plan.prune:
+            listing = listings[step]
+            mine = frozenset(ranks & (listing.committed_ranks | listing.partial_ranks))
+            if mine and self._delete(tier, step, mine, "retention"):
+                touched.append(step)
+        for step in plan.gc:
+            mine = self._gc_ranks(tier, listings[step], ranks)
+            if mine and self._delete(tier, step, mine, "gc"):
+                touched.append(step)
+        try:
+            tier.gc_incomplete(self.job_id, self.grace_seconds)
+        except TierError as exc:
+            log.warning("GC of uncommitted objects on %s failed: %s", tier.name, exc)
+        for step in list(first_seen):
+            if step not in listings:
+                del first_seen[step]
+        return touched
+
+    def _gc_ranks(self, tier: Tier, listing: StepListing, ranks: set[int]) -> frozenset[int]:
+        """Local ranks of an incomplete step that this writer may delete: uncommitted data, and
+        committed shards whose manifest names this writer."""
+        out = set(ranks & listing.partial_ranks)
+        for rank in ranks & listing.committed_ranks:
+            try:
+                if self.wrote(tier.get_manifest(self.job_id, listing.step, rank).writer_id):
+                    out.add(rank)
+            except ShardUnavailable:
+                continue
+        return frozenset(out)
+
+    def _delete(
+        self, tier: Tier, step: int, ranks: frozenset[int], reason: Literal["retention", "gc"]
+    ) -> bool:
+        try:
+            tier.delete_step(self.job_id, step, ranks)
+        except TierError as exc:
+            log.warning("%s of step %d on %s failed: %s", reason, step, tier.name, exc)
+            return False
+        log.info(
+            "%s deleted ranks %s of step %d from %s",
+            reason,
+            sorted(ranks),
+            step,
+            tier.name,
+            extra={"event": reason, "tier": tier.name, "step": step},
+        )
+        self.emit(PromotionEvent(reason, tier.name, step, tuple(sorted(ranks))))
+        return True

@@ -1,0 +1,445 @@
+"""The promotion round: RAM -> PVC -> GCS for the ranks a sidecar serves (:class:`PromotionEngine`).
+
+The engine composes the package's parts: :class:`~strata.sidecar.promotion.copy.ShardCopier`
+(one shard, verified, with retries), :class:`~strata.sidecar.promotion.retention.Retention`,
+:func:`~strata.sidecar.promotion.pruning.prune_ram` (start-up) and
+:func:`~strata.sidecar.promotion.flush.flush` (SIGTERM).
+
+What it does each round (:meth:`PromotionEngine.promote_once`), for the *local ranks* (the ranks
+whose RAM data this sidecar sees, plus those declared through the local API):
+
+1. Find the newest step committed in RAM for every local rank. Only shards whose manifest
+   carries its checksums (``Manifest.verified``) are promoted; a committed shard left without
+   checksums for ``seal_after_seconds`` (its writer died before its checksum pass) is checksummed
+   by the sidecar under a lease and sealed (:meth:`RamTier.seal`).
+2. For each durable tier in order (PVC, then GCS) whose interval policy is due for that step
+   (:mod:`strata.sidecar.promotion.policies`), copy every local shard of it: to GCS from the PVC when the PVC
+   already holds that exact shard, else from RAM while holding a :class:`~strata.tiers.slots.SlotLease`
+   (C-05: the trainer may be writing step N+1 meanwhile; the lease keeps N's slot from being
+   reused). The tier's ``put_shard`` checks the source against its manifest, writes data, then
+   the manifest LAST; the engine then verifies the committed copy (CRC32C of the PVC file, the
+   stored object's CRC32C on GCS) and quarantines a copy that does not match.
+3. Retention (after a promotion, and every ``maintenance_seconds``): per durable tier, complete
+   steps beyond ``keep`` lose this sidecar's ranks (:func:`plan_retention`); incomplete steps
+   older than the newest complete step lose this sidecar's uncommitted data and the shards it
+   wrote itself (writer id) after ``config.gc_grace_seconds``.
+
+Failures never stop the engine: one shard failing (I/O error, failed fsync, ENOSPC, checksum
+mismatch) abandons that attempt -- the tier removed its partial files and nothing is committed --
+and the shard is retried from the source in a later round with exponential backoff, at most
+``max_attempts`` times per (tier, step, rank); a newer step supersedes it anyway. A corrupt
+source is quarantined (RAM or PVC) and never retried in a loop (C-04).
+
+Single-shot APIs for tests and SIGTERM: :meth:`promote_once` and :meth:`flush` (promote the
+newest RAM step to the fastest durable tier within a deadline, C-14). :meth:`run` loops until
+an event is set. Events (promotions, failures, deletions) go to ``on_event`` for metrics/reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from strata.config import StrataConfig, TierName
+from strata.errors import ShardCorrupt, ShardUnavailable, TierError
+from strata.format.manifest import Manifest
+from strata.sidecar.promotion.copy import ShardCopier
+from strata.sidecar.promotion.events import PromotionEvent, RoundResult
+from strata.sidecar.promotion.flush import FlushResult, flush
+from strata.sidecar.promotion.policies import TierPolicy, tier_policies
+from strata.sidecar.promotion.pruning import prune_ram
+from strata.sidecar.promotion.retention import Retention
+from strata.tiers.base import StepListing, Tier
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import SlotLease
+
+log = logging.getLogger("strata.promotion")
+
+DURABLE_TIERS: tuple[TierName, ...] = ("pvc", "gcs")
+"""Durable tiers, fastest first (the SIGTERM flush goes to the first configured one)."""
+
+
+@dataclass
+class _TierProgress:
+    initialised: bool = False
+    last_step: int | None = None
+    last_time: float | None = None
+    last_maintenance: float | None = None
+    first_seen: dict[int, float] = field(default_factory=dict)
+
+
+class PromotionEngine:
+    """Promotes this pod's RAM shards to the durable tiers and applies retention.
+
+    ``ram``: the RAM tier; ``durable``: ``{"pvc": PosixTier, "gcs": GcsTier}`` (either optional).
+    ``local_ranks``: ranks served by this sidecar besides those found in RAM (declared through
+    the local API with :meth:`add_ranks`). ``policies``: default :func:`tier_policies(config)`.
+    ``max_workers``: shards copied concurrently (bounded so promotion stays off the trainer's
+    CPU budget). ``lease_timeout``: seconds to wait for a slot's writer before skipping the shard
+    this round. Thread-safe: work on a tier is serialised by that tier's lock.
+    """
+
+    def __init__(
+        self,
+        config: StrataConfig,
+        ram: RamTier,
+        durable: Mapping[TierName, Tier],
+        *,
+        local_ranks: Iterable[int] = (),
+        policies: Mapping[TierName, TierPolicy] | None = None,
+        on_event: Callable[[PromotionEvent], None] | None = None,
+        max_workers: int = 2,
+        lease_timeout: float = 10.0,
+        max_attempts: int = 3,
+        backoff_seconds: float = 1.0,
+        seal_after_seconds: float = 5.0,
+        maintenance_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.job_id = config.job_id
+        self.ram = ram
+        self.durable: dict[TierName, Tier] = {
+            name: durable[name] for name in DURABLE_TIERS if name in durable
+        }
+        self.policies = dict(policies) if policies is not None else tier_policies(config)
+        missing = [t for t in self.durable if t not in self.policies]
+        if missing:
+            raise ValueError(f"no promotion policy for tier(s) {missing}")
+        self.writer_id = config.pod_writer_id
+        self._declared: set[int] = set(local_ranks)
+        self._on_event = on_event
+        self.max_workers = max(1, max_workers)
+        self.lease_timeout = lease_timeout
+        self.max_attempts = max_attempts
+        self.backoff_seconds = backoff_seconds
+        self.seal_after_seconds = seal_after_seconds
+        self.maintenance_seconds = maintenance_seconds
+        self._clock = clock
+        self._wall = wall_clock
+        self._progress: dict[TierName, _TierProgress] = {t: _TierProgress() for t in self.durable}
+        self._unverified_since: dict[tuple[int, int], float] = {}
+        self._tier_locks: dict[TierName, threading.Lock] = {
+            t: threading.Lock() for t in self.durable
+        }
+        self._stopping = threading.Event()
+        self._started = clock()
+        self.copier = ShardCopier(
+            self.job_id,
+            ram,
+            self.durable,
+            emit=self._emit,
+            clock=clock,
+            lease_timeout=lease_timeout,
+            max_attempts=max_attempts,
+            backoff_seconds=backoff_seconds,
+        )
+        self.retention = Retention(
+            self.job_id, grace_seconds=config.gc_grace_seconds, wrote=self.wrote, emit=self._emit
+        )
+
+    # -- ranks and RAM state ----------------------------------------------------------------------
+
+    def add_ranks(self, ranks: Iterable[int]) -> None:
+        """Declare ranks served by this sidecar (the local API does this when a rank asks for slots)."""
+        self._declared.update(ranks)
+
+    def local_ranks(self, ram_steps: dict[int, StepListing] | None = None) -> set[int]:
+        """Declared ranks plus every rank with slots or shards in this job's RAM directory
+        (``ram_steps``: a listing of the RAM tier already taken, to avoid a second one)."""
+        ranks = set(self._declared)
+        ranks.update(self.ram.slot_ranks(self.job_id))
+        for listing in (self.ram_steps() if ram_steps is None else ram_steps).values():
+            ranks.update(listing.committed_ranks)
+        return ranks
+
+    def ram_steps(self) -> dict[int, StepListing]:
+        return self.ram.list_steps(self.job_id)
+
+    def newest_ram_step(self, ranks: set[int] | None = None) -> int | None:
+        """Newest step committed in RAM for every rank of ``ranks`` (default: local ranks)."""
+        return max(self.ram_steps_of(ranks), default=None)
+
+    def ram_steps_of(
+        self, ranks: set[int] | None = None, ram_steps: dict[int, StepListing] | None = None
+    ) -> list[int]:
+        """Steps committed in RAM for every rank of ``ranks`` (default: local ranks)."""
+        listing = self.ram_steps() if ram_steps is None else ram_steps
+        ranks = self.local_ranks(listing) if ranks is None else ranks
+        if not ranks:
+            return []
+        return [s for s, entry in listing.items() if ranks <= entry.committed_ranks]
+
+    def ram_manifests(self, step: int, ranks: set[int], seal: bool) -> dict[int, Manifest] | None:
+        """Checksummed RAM manifests of ``step`` for ``ranks``; None when some are not yet.
+
+        ``seal``: checksum unverified shards now (SIGTERM flush, or a writer that stopped
+        before its checksum pass for longer than ``seal_after_seconds``).
+        """
+        out: dict[int, Manifest] = {}
+        for rank in sorted(ranks):
+            try:
+                m = self.ram.get_manifest(self.job_id, step, rank)
+            except ShardCorrupt as exc:
+                self.copier.quarantine(self.ram, step, rank, str(exc))
+                return None
+            except ShardUnavailable:
+                return None
+            if not m.verified:
+                first = self._unverified_since.setdefault((step, rank), self._clock())
+                if not (seal or self._clock() - first >= self.seal_after_seconds):
+                    return None
+                sealed = self._seal(step, rank)
+                if sealed is None:
+                    return None
+                m = sealed
+            out[rank] = m
+        return out
+
+    def _seal(self, step: int, rank: int) -> Manifest | None:
+        """Checksum a committed RAM shard whose writer did not, and record the checksums."""
+        try:
+            with SlotLease(self.ram, self.job_id, step, rank, timeout=self.lease_timeout) as lease:
+                m = lease.manifest
+                assert m is not None
+                if m.verified:
+                    return m
+                sealed = self.ram.seal(lease)
+        except (ShardUnavailable, ValueError, OSError) as exc:
+            log.warning("cannot checksum RAM shard rank %d step %d: %s", rank, step, exc)
+            return None
+        self._emit(PromotionEvent("sealed", "ram", step, (rank,), message="checksummed by sidecar"))
+        if sealed is not None:
+            return sealed
+        try:  # its writer checksummed it meanwhile
+            return self.ram.get_manifest(self.job_id, step, rank)
+        except ShardUnavailable:
+            return None
+
+    # -- tier progress ----------------------------------------------------------------------------
+
+    def init_tier(self, name: TierName, ranks: set[int]) -> bool:
+        """Start a durable tier's interval from the newest step it already holds for ``ranks``
+        (once, when the ranks are known); False while that listing has not succeeded."""
+        progress = self._progress[name]
+        if progress.initialised:
+            return True
+        if not ranks:
+            return False
+        try:
+            step = self._newest_local_step(self.durable[name], ranks)
+        except TierError as exc:
+            log.warning("cannot list the %s tier yet: %s", name, exc)
+            return False
+        if progress.last_step is None or (step is not None and step > progress.last_step):
+            progress.last_step = step
+        progress.initialised = True
+        return True
+
+    def _newest_local_step(self, tier: Tier, ranks: set[int]) -> int | None:
+        if not ranks:
+            return None
+        steps = [s for s, li in tier.list_steps(self.job_id).items() if ranks <= li.committed_ranks]
+        return max(steps) if steps else None
+
+    def last_promoted(self) -> dict[TierName, int | None]:
+        return {name: p.last_step for name, p in self._progress.items()}
+
+    # -- the round --------------------------------------------------------------------------------
+
+    def promote_once(
+        self, *, force_tier: TierName | None = None, seal: bool = False
+    ) -> RoundResult:
+        """One round: promote the newest RAM step where due, then retention where due.
+
+        ``force_tier``: promote to that tier regardless of its interval (flush).
+        Each tier is worked on under its own lock, so a slow GCS upload never holds up the PVC
+        (nor the SIGTERM flush to it). Never raises for a tier or shard failure (see the module
+        docstring); returns what happened.
+        """
+        result = RoundResult()
+        listing = self.ram_steps()  # one listing of the RAM tier per round
+        ranks = self.local_ranks(listing)
+        ram_steps = self.ram_steps_of(ranks, listing)
+        step = max(ram_steps, default=None)
+        manifests = self.ram_manifests(step, ranks, seal) if step is not None else None
+        if step is not None and manifests is not None:
+            result.ram_step = step
+        self._forget_older_than(step)
+        for name in self.durable:
+            if force_tier is not None and name != force_tier:
+                continue
+            if self._stopping.is_set() and force_tier is None:
+                break
+            with self._tier_locks[name]:
+                if not self.init_tier(name, ranks):
+                    continue
+                force = force_tier == name
+                # The tier's interval picks which RAM step (e.g. a multiple of every.steps);
+                # a flush takes the newest.
+                tier_step = step if force else self.policies[name].interval.candidate(ram_steps)
+                tier_manifests = manifests
+                if tier_step != step:
+                    tier_manifests = (
+                        None if tier_step is None else self.ram_manifests(tier_step, ranks, seal)
+                    )
+                if tier_step is not None and tier_manifests is not None:
+                    self.promote_if_due(name, tier_step, tier_manifests, force, result)
+                if force_tier is None:
+                    self._maintain_if_due(name, ranks, result)
+        return result
+
+    def _forget_older_than(self, step: int | None) -> None:
+        """Drop bookkeeping of steps older than the newest RAM step (bounded memory)."""
+        if step is None:
+            return
+        for key in [k for k in self._unverified_since if k[0] < step]:
+            self._unverified_since.pop(key, None)
+        self.copier.forget_older_than(step)
+
+    def promote_if_due(
+        self,
+        name: TierName,
+        step: int,
+        manifests: dict[int, Manifest],
+        force: bool,
+        result: RoundResult,
+    ) -> None:
+        progress = self._progress[name]
+        if progress.last_step is not None and step <= progress.last_step:
+            return
+        due = force or self.policies[name].interval.due(
+            step, progress.last_step, self._clock(), progress.last_time or self._started
+        )
+        if not due:
+            return
+        failures = self._promote_step(name, step, manifests)
+        if failures:
+            result.failed[name] = failures
+        else:
+            result.promoted[name] = step
+
+    def _maintain_if_due(self, name: TierName, ranks: set[int], result: RoundResult) -> None:
+        p = self._progress[name]
+        now = self._clock()
+        if name in result.promoted or (
+            p.last_maintenance is None or now - p.last_maintenance >= self.maintenance_seconds
+        ):
+            p.last_maintenance = now
+            deleted = self.retention.maintain(
+                self.durable[name],
+                ranks,
+                self.policies[name].retention,
+                now=self._wall(),
+                first_seen=p.first_seen,
+            )
+            if deleted:
+                result.deleted[name] = deleted
+
+    def _promote_step(self, name: TierName, step: int, manifests: dict[int, Manifest]) -> list[str]:
+        """Copy every local shard of ``step`` into tier ``name``; returns failure messages."""
+        started = self._clock()
+        ranks = sorted(manifests)
+        with ThreadPoolExecutor(
+            max_workers=min(self.max_workers, len(ranks)), thread_name_prefix=f"strata-{name}"
+        ) as pool:
+            outcomes = list(
+                pool.map(lambda r: self.copier.promote_shard(name, step, r, manifests[r]), ranks)
+            )
+        failures = [msg for ok, _n, msg in outcomes if not ok]
+        if failures:
+            return failures
+        nbytes = sum(n for _ok, n, _msg in outcomes)
+        seconds = self._clock() - started
+        progress = self._progress[name]
+        progress.last_step = step
+        progress.last_time = self._clock()
+        log.info(
+            "promoted step %d to %s (%d bytes, %.3fs)",
+            step,
+            name,
+            nbytes,
+            seconds,
+            extra={
+                "event": "promoted",
+                "tier": name,
+                "step": step,
+                "bytes": nbytes,
+                "ranks": ranks,
+            },
+        )
+        self._emit(PromotionEvent("promoted", name, step, tuple(ranks), nbytes, seconds))
+        return []
+
+    # -- retention --------------------------------------------------------------------------------
+
+    def wrote(self, writer_id: str) -> bool:
+        """Whether a manifest's writer id is this pod's: the sidecar's own id, or one of its
+        trainers' (the client stamps ``<pod writer id>/rank-<r>``)."""
+        return writer_id == self.writer_id or writer_id.startswith(self.writer_id + "/")
+
+    # -- SIGTERM, loop ----------------------------------------------------------------------------
+
+    def fastest_durable(self) -> TierName | None:
+        return next(iter(self.durable), None)
+
+    def flush(self, deadline: float) -> FlushResult:
+        """Promote the newest committed RAM step to the fastest durable tier if no durable tier
+        holds it or a newer step (C-14); ``deadline`` is on the engine's clock (default
+        ``time.monotonic``).
+
+        Stops interval promotion, waits (until the deadline) only for work in progress on the
+        target tier, checksums RAM shards whose writer did not, and retries failed shards until
+        the deadline. Only the target tier is listed (a slow or unreachable GCS never delays a
+        flush to the PVC). Returns what happened; never raises.
+        """
+        return flush(self, deadline)
+
+    def stop_interval_promotion(self) -> None:
+        """From now on only forced rounds (the flush) promote."""
+        self._stopping.set()
+
+    def tier_lock(self, name: TierName) -> threading.Lock:
+        """The lock serialising work on one durable tier."""
+        return self._tier_locks[name]
+
+    def newest_durable_step(self, tier: TierName, ranks: set[int]) -> int | None:
+        """Newest step holding every local shard on a durable tier: what this engine promoted
+        or found at start, and a fresh listing of ``tier``."""
+        known = [p.last_step for p in self._progress.values() if p.last_step is not None]
+        try:
+            listed = self._newest_local_step(self.durable[tier], ranks)
+        except TierError:
+            listed = None
+        if listed is not None:
+            known.append(listed)
+        return max(known) if known else None
+
+    def run(self, stop: threading.Event, interval_seconds: float = 0.5) -> None:
+        """Call :meth:`promote_once` every ``interval_seconds`` until ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                self.promote_once()
+            except Exception:  # a bug or an unexpected tier error must not kill the sidecar
+                log.exception("promotion round failed; retrying in the next round")
+            stop.wait(interval_seconds)
+
+    def _emit(self, event: PromotionEvent) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(event)
+        except Exception:
+            log.exception("promotion event handler failed")
+
+    # -- start-up (C-12) ----------------------------------------------------------------------------
+
+    def prune_ram(self) -> list[tuple[int, int]]:
+        """Keep only the newest committed RAM step of each rank; drop everything else
+        (:func:`strata.sidecar.promotion.pruning.prune_ram`). Returns the (step, rank) removed."""
+        return prune_ram(self.ram, self.job_id, self.config.ram.keep)

@@ -1,0 +1,401 @@
+"""The RAM tier's slot ring: pre-faulted slot files per rank, their allocation and their locks.
+
+Why and how: see :mod:`strata.tiers.ram`. Paths come from :mod:`strata.format.layout`
+(``<job>/slots/rank-RRRRR/slot-K``). :class:`SlotProvider` is the allocation contract (in
+process: :class:`LocalSlotProvider`; the sidecar serves it over its socket), :class:`SlotLease`
+the readers' shared lock, :class:`SlotWriteLock` the writer's exclusive lock, :class:`SlotMaps`
+the writer's persistent mappings.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol
+
+from strata.errors import ShardUnavailable, SlotsBusy, TierError, TierFull
+from strata.format import layout
+from strata.format.manifest import Manifest
+from strata.tiers.posix import remove_quietly
+
+if TYPE_CHECKING:
+    from strata.tiers.ram import RamTier
+
+
+log = logging.getLogger(__name__)
+
+SLOT_ALIGN = 1024 * 1024
+"""Slot sizes are rounded up to whole MiB (fewer regrowths for states that vary a little)."""
+
+
+class SlotAllocationNeeded(Exception):
+    """A reuse-only provider found no free slot large enough: a slot must be allocated."""
+
+
+def slots_dir(root: Path, job_id: str, rank: int) -> Path:
+    """``<root>/<job>/slots/rank-RRRRR``: the slot files of one rank."""
+    return root / layout.rank_slots_key(job_id, rank)
+
+
+def slot_ranks_in(root: Path, job_id: str) -> dict[int, Path]:
+    """Ranks with a slot directory under ``<root>/<job>/slots``, with that directory."""
+    out: dict[int, Path] = {}
+    try:
+        entries = list(os.scandir(root / layout.slots_prefix(job_id)))
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        rank = layout.parse_rank_dir(entry.name)
+        if rank is not None and entry.is_dir():
+            out[rank] = Path(entry.path)
+    return out
+
+
+def slot_size_for(nbytes: int) -> int:
+    """Size of a slot able to hold ``nbytes`` (whole MiB, at least 1 MiB)."""
+    return max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
+
+
+def preallocate(path: Path, size: int) -> None:
+    """Create or grow ``path`` to ``size`` bytes with every page allocated (tmpfs: charged now).
+
+    ENOSPC raises :class:`TierFull` naming the path; a file this call created is removed and a
+    grown file is shrunk back, so a full tmpfs never leaves a half-allocated slot behind.
+    """
+    existed = path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        old = os.fstat(fd).st_size
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if existed:
+                os.ftruncate(fd, old)
+            else:
+                remove_quietly(path)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFull(
+                    f"no space left on the RAM tier for a {size}-byte slot {path}; raise the "
+                    "RAM tier size limit (emptyDir sizeLimit) or lower ram.keep"
+                ) from exc
+            raise TierError(f"cannot allocate RAM slot {path} ({exc.strerror})") from exc
+    finally:
+        os.close(fd)
+
+
+def _try_lock(path: Path, how: int) -> int | None:
+    """Open ``path`` and take ``flock(how | LOCK_NB)``; the fd, or None when it is held."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _unlock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+class SlotProvider(Protocol):
+    """Hands out RAM slots to the writer of one rank.
+
+    ``acquire_slot(job_id, rank, nbytes, exclude)`` returns the path of a slot file of at least
+    ``nbytes`` bytes that no committed step references, pre-allocated, and not in ``exclude``
+    (slots the caller failed to lock). To free one it may un-commit the oldest RAM step of that
+    rank beyond ``keep``, never the newest committed step and never a slot it cannot lock
+    (LOCK_EX|LOCK_NB: a reader holds it). The caller then takes ``LOCK_EX`` itself and retries
+    with a longer ``exclude`` when that fails. Raises :class:`TierFull` (ENOSPC) or
+    :class:`SlotsBusy`.
+    """
+
+    def acquire_slot(
+        self, job_id: str, rank: int, nbytes: int, exclude: Collection[Path] = ()
+    ) -> Path: ...
+
+
+@dataclass
+class SlotState:
+    path: Path
+    size: int
+    steps: list[tuple[int, bool]]
+    """(step, committed) of every step whose data links to this slot."""
+
+
+class LocalSlotProvider:
+    """In-process :class:`SlotProvider` over a :class:`RamTier`.
+
+    ``keep``: committed RAM steps per rank that must survive an allocation (config ram.keep).
+    The ring starts with ``keep + 1`` slots and grows up to ``max_slots`` (default ``keep + 3``)
+    while slots are leased by readers; beyond that :class:`SlotsBusy` is raised.
+    """
+
+    def __init__(
+        self, tier: RamTier, keep: int = 1, max_slots: int | None = None, allocate: bool = True
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.tier = tier
+        self.keep = keep
+        self.allocate = allocate
+        """False: only reuse existing slots of sufficient size; raise
+        :class:`SlotAllocationNeeded` instead of creating or growing one (the sidecar does that,
+        so its container is charged for the pages)."""
+        self.min_slots = keep + 1
+        self.max_slots = max(max_slots if max_slots is not None else keep + 3, self.min_slots)
+        self._lock = threading.Lock()
+
+    def acquire_slot(
+        self, job_id: str, rank: int, nbytes: int, exclude: Collection[Path] = ()
+    ) -> Path:
+        with self._lock:
+            return self._acquire(job_id, rank, nbytes, {Path(p) for p in exclude})
+
+    def _acquire(self, job_id: str, rank: int, nbytes: int, exclude: set[Path]) -> Path:
+        d = slots_dir(self.tier.root, job_id, rank)
+        d.mkdir(parents=True, exist_ok=True)
+        size = slot_size_for(nbytes)
+        slots = self.tier.slot_states(job_id, rank)
+        if not self.allocate:
+            if len(slots) < self.min_slots:
+                raise SlotAllocationNeeded(f"rank {rank} has {len(slots)} slots")
+            slots = [s for s in slots if s.size >= nbytes]
+        if len(slots) < self.min_slots:
+            # First use: allocate the whole ring now (one-time cost, outside later saves).
+            taken = {s.path.name for s in slots}
+            k = 0
+            while len(slots) < self.min_slots:
+                name = layout.slot_name(k)
+                k += 1
+                if name in taken:
+                    continue
+                preallocate(d / name, size)
+                slots.append(SlotState(d / name, size, []))
+        candidates = [s for s in slots if s.path not in exclude]
+        # 1. free slots (no step links them), or only stale partial links (a killed writer).
+        for s in sorted(candidates, key=lambda s: (s.size < nbytes, s.path.name)):
+            if all(not committed for _, committed in s.steps) and self._claim(
+                job_id, rank, s, nbytes
+            ):
+                return s.path
+        # 2. evict the oldest committed step beyond keep (never the newest).
+        committed_steps = sorted({st for s in slots for st, c in s.steps if c})
+        evictable = set(committed_steps[: max(0, len(committed_steps) - self.keep)])
+        by_age = sorted(
+            (s for s in candidates if s.steps and all(st in evictable for st, c in s.steps if c)),
+            key=lambda s: max(st for st, _c in s.steps),
+        )
+        for s in by_age:
+            if self._claim(job_id, rank, s, nbytes):
+                return s.path
+        # 3. grow the ring.
+        if not self.allocate:
+            raise SlotAllocationNeeded(f"no free slot of rank {rank} holds {nbytes} bytes")
+        if len(slots) < self.max_slots:
+            names = {s.path.name for s in slots}
+            k = 0
+            while layout.slot_name(k) in names:
+                k += 1
+            preallocate(d / layout.slot_name(k), size)
+            log.info(
+                "RAM slot ring of rank %d grew to %d slots (others busy)", rank, len(slots) + 1
+            )
+            return d / layout.slot_name(k)
+        raise SlotsBusy(
+            f"all {len(slots)} RAM slots of rank {rank} in {d} hold the newest {self.keep} "
+            "committed step(s) or are being read (promotion); this save is skipped and the "
+            "previous steps are intact. Raise ram.keep or save less often than promotion takes"
+        )
+
+    def _claim(self, job_id: str, rank: int, s: SlotState, nbytes: int) -> bool:
+        fd = _try_lock(s.path, fcntl.LOCK_EX)
+        if fd is None:
+            return False
+        try:
+            for step, _committed in s.steps:
+                self.tier.uncommit(job_id, step, rank)
+            if s.size < nbytes:
+                preallocate(s.path, slot_size_for(nbytes))
+            return True
+        finally:
+            _unlock(fd)
+
+
+class ReuseFirstSlotProvider:
+    """Reuse a free local slot without a round trip; ask ``allocator`` (the sidecar) otherwise.
+
+    The sidecar's local API costs ~1-2 ms a call (measured on the 2-core CI machine): more than
+    the whole copy of a small state. Allocation and growth stay with the sidecar, so the tmpfs
+    pages are still charged to its container.
+    """
+
+    def __init__(self, local: LocalSlotProvider, allocator: SlotProvider) -> None:
+        if local.allocate:
+            raise ValueError("ReuseFirstSlotProvider needs a reuse-only LocalSlotProvider")
+        self.local = local
+        self.allocator = allocator
+
+    def acquire_slot(
+        self, job_id: str, rank: int, nbytes: int, exclude: Collection[Path] = ()
+    ) -> Path:
+        try:
+            return self.local.acquire_slot(job_id, rank, nbytes, exclude)
+        except SlotAllocationNeeded:
+            return self.allocator.acquire_slot(job_id, rank, nbytes, exclude)
+
+
+class SlotLease:
+    """Shared lock on a committed RAM shard while it is read (promotion, checksum, restore).
+
+    ``with SlotLease(tier, job, step, rank) as lease:`` opens the shard's data (a slot), takes
+    ``LOCK_SH`` (waiting up to ``timeout`` seconds while its writer holds ``LOCK_EX``), then
+    re-checks that the step is still committed and still links that slot, and re-reads the
+    manifest (``lease.manifest``; ``lease.path`` is the data path). While the lease is held the
+    writer cannot reuse the slot. Raises :class:`ShardUnavailable` when the shard is not (or no
+    longer) committed, or the lock is not granted in time. Works across processes (flock).
+    """
+
+    def __init__(
+        self, tier: RamTier, job_id: str, step: int, rank: int, timeout: float = 10.0
+    ) -> None:
+        self.tier = tier
+        self.job_id, self.step, self.rank = job_id, step, rank
+        self.timeout = timeout
+        self.path = tier.data_path(job_id, step, rank)
+        self._fd: int | None = None
+        self.manifest: Manifest | None = None
+
+    def __enter__(self) -> SlotLease:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ShardUnavailable(f"{self.path}: not committed in the RAM tier") from None
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise ShardUnavailable(
+                        f"{self.path}: its writer held it for {self.timeout:.0f} s"
+                    ) from None
+                time.sleep(0.002)
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            _unlock(fd)
+            raise ShardUnavailable(f"{self.path}: un-committed while being leased")
+        try:
+            self.manifest = self.tier.get_manifest(self.job_id, self.step, self.rank)
+        except BaseException:
+            _unlock(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._fd is not None:
+            _unlock(self._fd)
+            self._fd = None
+
+
+class SlotWriteLock:
+    """``LOCK_EX`` on a slot obtained from a provider; retries other slots when one is leased."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(
+        cls, provider: SlotProvider, job_id: str, rank: int, nbytes: int, attempts: int = 8
+    ) -> SlotWriteLock:
+        exclude: list[Path] = []
+        for _ in range(attempts):
+            path = provider.acquire_slot(job_id, rank, nbytes, exclude)
+            fd = _try_lock(path, fcntl.LOCK_EX)
+            if fd is not None:
+                if os.fstat(fd).st_nlink == 1 and os.fstat(fd).st_size >= nbytes:
+                    return cls(path, fd)
+                _unlock(fd)
+            exclude.append(path)
+        raise SlotsBusy(f"no lockable RAM slot for rank {rank} after {attempts} attempts")
+
+    def release(self) -> None:
+        if self._fd is not None:
+            _unlock(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class SlotMaps:
+    """Persistent writable mappings of slot files (``MAP_SHARED | MAP_POPULATE``), by path.
+
+    Mapping a pre-allocated tmpfs file with MAP_POPULATE wires its pages into this process's
+    page table once, so later copies into it take no page faults. A slot whose size changed
+    (grown) is remapped.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, tuple[int, mmap.mmap]] = {}
+
+    def get(self, path: Path) -> mmap.mmap:
+        size = os.stat(path).st_size
+        cur = self._maps.get(path)
+        if cur is not None and cur[0] == size:
+            return cur[1]
+        if cur is not None:
+            self._close(path)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fd)
+        self._maps[path] = (size, mm)
+        return mm
+
+    def _close(self, path: Path) -> None:
+        _, mm = self._maps.pop(path)
+        try:
+            mm.close()
+        except BufferError:
+            log.debug("slot map %s still exported; left to the garbage collector", path)
+
+    def close(self) -> None:
+        for path in list(self._maps):
+            self._close(path)
