@@ -47,7 +47,12 @@ def test_bench_smoke_writes_ratios_json_and_plot(tmp_path: Path) -> None:
             str(tmp_path),
         ],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        # The repository first (for `bench`), then whatever the caller had (a worktree's
+        # sidecar/ and operator/ must win over an editable install elsewhere).
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
         capture_output=True,
         text=True,
         timeout=300,

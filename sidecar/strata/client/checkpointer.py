@@ -10,10 +10,10 @@
         if ckpt.should_save(step):
             ckpt.save(step, state)               # blocks only for the copy into a RAM slot
 
-``save(step, state)``: encodes the state (:mod:`strata.format.codec`), takes a free slot of the RAM
-ring (:mod:`strata.tiers.ram`), copies every tensor storage into it (several threads), commits
-the step in the RAM tier with a manifest *without* checksums, and returns. The stall is the
-copy. A background thread then checksums the slot and atomically rewrites the manifest with its
+``save(step, state)`` (:class:`strata.client.saver.Saver`): encodes the state
+(:mod:`strata.format.codec`), takes a free slot of the RAM ring (:mod:`strata.tiers.slots`),
+copies every tensor storage into it (several threads), commits the step in the RAM tier with a
+manifest *without* checksums, and returns. The stall is the copy. A background thread then checksums the slot and atomically rewrites the manifest with its
 CRC32Cs; promotion (the sidecar) only takes checksummed shards. :meth:`Checkpointer.wait`
 waits for that background work. C-01: once ``save()`` returned, the step's bytes are in the
 slot; changing the state afterwards does not change what is restored.
@@ -41,25 +41,23 @@ without a sidecar the client reaches every tier directly (RAM and PVC as directo
 
 from __future__ import annotations
 
-import gc
 import logging
 import mmap
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
 import torch
 
+from strata.client.saver import Saver
 from strata.config import StrataConfig
-from strata.errors import ConfigError, RestoreError, ShardUnavailable, StageError, TierError
+from strata.errors import ConfigError, RestoreError, StageError, TierError
 from strata.format import codec
-from strata.format.manifest import DEFAULT_CHUNK_SIZE
-from strata.protocol import ClientEvent, RestoreEvent, SaveEvent
+from strata.protocol import ClientEvent, RestoreEvent
 from strata.restore import (
     RankInventory,
     StageResult,
@@ -75,9 +73,7 @@ from strata.tiers.slots import (
     LocalSlotProvider,
     ReuseFirstSlotProvider,
     SlotLease,
-    SlotMaps,
     SlotProvider,
-    SlotWriteLock,
 )
 
 log = logging.getLogger("strata.client")
@@ -262,23 +258,23 @@ class Checkpointer:
         self.stager: Stager = stager or LocalStager(
             self._restore_tiers, self.ram, self.slot_provider, self.config.restore.verify
         )
-        self.raise_on_error = raise_on_error
         self.process_group = process_group
-        self.chunk_size = DEFAULT_CHUNK_SIZE
-        self._maps = SlotMaps()
-        self._copy_pool = ThreadPoolExecutor(max(1, copy_threads), thread_name_prefix="strata-copy")
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="strata-checksum")
-        self._pending: list[Future[None]] = []
-        self._pending_lock = threading.Lock()
+        self.saver = Saver(
+            self.ram,
+            self.slot_provider,
+            job_id=self.job_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            writer_id=self.writer_id,
+            every=self.config.ram.every,
+            background=self._bg,
+            report=self._report,
+            copy_threads=copy_threads,
+            raise_on_error=raise_on_error,
+        )
         self._tiers: list[Tier] | None = None
         self._tier_notes: list[str] = []
-        self._last_save_time: float | None = None
-        self.last_error: str | None = None
-        self.failed_saves = 0
-        self.saves = 0
-        self.last_stall_seconds: float | None = None
-        self.stall_seconds: list[float] = []
-        self.last_saved_step: int | None = None
 
     # -- tiers ----------------------------------------------------------------------------------
 
@@ -302,18 +298,11 @@ class Checkpointer:
             self._tiers = [tiers[t] for t in self.config.tiers_in_restore_order() if t in tiers]
         return self._tiers
 
-    # -- save -----------------------------------------------------------------------------------
+    # -- save (the save path is :class:`strata.client.saver.Saver`) ---------------------------------
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due for a RAM checkpoint (``ram.every``: steps and/or seconds)."""
-        every = self.config.ram.every
-        if every.steps is None and every.seconds is None:
-            return True
-        if every.steps is not None and step % every.steps == 0:
-            return True
-        return every.seconds is not None and (
-            self._last_save_time is None or time.monotonic() - self._last_save_time >= every.seconds
-        )
+        return self.saver.should_save(step)
 
     def save(self, step: int, state: Any) -> bool:
         """Snapshot ``state`` as ``step`` into the RAM tier; True when committed there.
@@ -322,90 +311,39 @@ class Checkpointer:
         Returns False after logging and recording a failure (see the module docstring's failure
         policy). Raises ValueError for a step that is not a non-negative int.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        t0 = time.perf_counter()
-        # Encoding allocates several objects per tensor; with the cyclic collector on, that
-        # triggers collections that walk the whole heap: half of the stall of a 10,000-tensor
-        # state (bench W3: 0.46 -> 0.22 s). Nothing cyclic is created here.
-        collect = gc.isenabled()
-        gc.disable()
-        try:
-            self._save(step, state)
-        except Exception as exc:
-            self.failed_saves += 1
-            self.last_error = f"save of step {step} failed: {exc}"
-            log.error(
-                "strata: save of step %d failed (training continues; the previous committed "
-                "step is intact): %s",
-                step,
-                exc,
-            )
-            self._report(
-                SaveEvent(job_id=self.job_id, rank=self.rank, step=step, ok=False, error=str(exc))
-            )
-            if self.raise_on_error:
-                raise
-            return False
-        finally:
-            if collect:
-                gc.enable()
-        stall = time.perf_counter() - t0
-        self._report(
-            SaveEvent(job_id=self.job_id, rank=self.rank, step=step, ok=True, stall_seconds=stall)
-        )
-        self.last_stall_seconds = stall
-        self.stall_seconds.append(stall)
-        self.saves += 1
-        self.last_saved_step = step
-        self._last_save_time = time.monotonic()
-        return True
-
-    def _save(self, step: int, state: Any) -> None:
-        enc = codec.encode(state)
-        with SlotWriteLock.acquire(
-            self.slot_provider, self.job_id, self.rank, enc.data_nbytes
-        ) as slot:
-            mm = self._maps.get(slot)
-            dst = torch.frombuffer(mm, dtype=torch.uint8)
-            try:
-                codec.write_data(enc, dst, pool=self._copy_pool)
-            finally:
-                del dst
-            manifest = enc.manifest(
-                job_id=self.job_id,
-                step=step,
-                rank=self.rank,
-                world_size=self.world_size,
-                writer_id=self.writer_id,
-                chunk_size=self.chunk_size,
-            )
-            self.ram.commit_slot(self.job_id, step, self.rank, slot, manifest)
-        fut = self._bg.submit(self._checksum, step, manifest.created.isoformat())
-        with self._pending_lock:
-            self._pending = [f for f in self._pending if not f.done()] + [fut]
-
-    def _checksum(self, step: int, created: str) -> None:
-        try:
-            with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
-                m = lease.manifest
-                if m is None or m.verified or m.created.isoformat() != created:
-                    return
-                self.ram.seal(lease)
-        except ShardUnavailable as exc:
-            log.info("strata: step %d left the RAM tier before its checksum pass: %s", step, exc)
-        except Exception as exc:
-            self.last_error = f"checksum of step {step} failed: {exc}"
-            log.error("strata: checksum pass of step %d failed: %s", step, exc)
+        return self.saver.save(step, state)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every background checksum pass submitted so far has finished."""
-        with self._pending_lock:
-            pending = list(self._pending)
-        for fut in pending:
-            fut.result(timeout=timeout)
+        self.saver.wait(timeout)
 
     flush = wait
+
+    @property
+    def last_error(self) -> str | None:
+        """The newest save or checksum failure (None: none yet)."""
+        return self.saver.last_error
+
+    @property
+    def failed_saves(self) -> int:
+        return self.saver.failed_saves
+
+    @property
+    def saves(self) -> int:
+        return self.saver.saves
+
+    @property
+    def last_stall_seconds(self) -> float | None:
+        return self.saver.last_stall_seconds
+
+    @property
+    def stall_seconds(self) -> list[float]:
+        """The stall of every successful save, seconds, in order."""
+        return self.saver.stall_seconds
+
+    @property
+    def last_saved_step(self) -> int | None:
+        return self.saver.last_saved_step
 
     # -- restore --------------------------------------------------------------------------------
 
@@ -581,8 +519,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._bg.shutdown(wait=True)
-            self._copy_pool.shutdown(wait=True)
-            self._maps.close()
+            self.saver.close()
 
     def __enter__(self) -> Checkpointer:
         return self
