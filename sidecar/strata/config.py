@@ -14,7 +14,7 @@ Environment variables (all optional except where said):
 ``STRATA_RAM_DIR``, ``STRATA_PVC_DIR``, ``STRATA_GCS_BUCKET``, ``STRATA_GCS_PREFIX``
     Tier locations (for runs outside Kubernetes, e.g. ``make demo``).
 ``STRATA_SOCKET``
-    Unix socket of the sidecar's local API; default ``<ram dir>/.strata/agent.sock``.
+    Unix socket of the sidecar's local API; default ``<ram dir>/.strata/sidecar.sock``.
 ``POD_NAME``, ``POD_NAMESPACE``, ``NODE_NAME``, ``POD_UID``
     Downward API, set by the webhook.
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
@@ -34,12 +34,25 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from strata.constants import (
+    ENV_CONFIG,
+    ENV_GCS_BUCKET,
+    ENV_GCS_PREFIX,
+    ENV_JOB_ID,
+    ENV_NODE_NAME,
+    ENV_POD_NAME,
+    ENV_POD_NAMESPACE,
+    ENV_POD_UID,
+    ENV_PVC_DIR,
+    ENV_RAM_DIR,
+    ENV_SOCKET,
+    SOCKET_RELPATH,
+)
 from strata.errors import ConfigError
 
 TierName = Literal["ram", "pvc", "gcs"]
 TIER_ORDER: tuple[TierName, ...] = ("ram", "pvc", "gcs")
 
-ENV_CONFIG = "STRATA_CONFIG"
 DEFAULT_RAM_DIR = "/strata/ram"
 DEFAULT_PVC_DIR = "/strata/pvc"
 
@@ -130,7 +143,7 @@ class StrataConfig(_Frozen):
     restore: RestoreConfig = RestoreConfig()
     report: ReportConfig = ReportConfig()
     socket_path: str | None = None
-    """Unix socket of the local API; default ``<ram.path>/.strata/agent.sock``."""
+    """Unix socket of the local API; default ``<ram.path>/.strata/sidecar.sock``."""
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464
     """Port of /metrics and /healthz on 0.0.0.0 in a pod; 0 disables."""
     metrics_host: str = "0.0.0.0"
@@ -149,7 +162,7 @@ class StrataConfig(_Frozen):
 
     @property
     def socket(self) -> Path:
-        return Path(self.socket_path or os.path.join(self.ram.path, ".strata", "agent.sock"))
+        return Path(self.socket_path or os.path.join(self.ram.path, SOCKET_RELPATH))
 
     @property
     def pod_writer_id(self) -> str:
@@ -191,16 +204,16 @@ class StrataConfig(_Frozen):
                 raise ConfigError(f"{ENV_CONFIG} must be a JSON object")
             raw.update(loaded)
         overrides = {
-            "STRATA_JOB_ID": ("job_id",),
-            "POD_NAME": ("pod_name",),
-            "POD_NAMESPACE": ("namespace",),
-            "POD_UID": ("pod_uid",),
-            "NODE_NAME": ("node_name",),
-            "STRATA_SOCKET": ("socket_path",),
-            "STRATA_RAM_DIR": ("ram", "path"),
-            "STRATA_PVC_DIR": ("pvc", "path"),
-            "STRATA_GCS_BUCKET": ("gcs", "bucket"),
-            "STRATA_GCS_PREFIX": ("gcs", "prefix"),
+            ENV_JOB_ID: ("job_id",),
+            ENV_POD_NAME: ("pod_name",),
+            ENV_POD_NAMESPACE: ("namespace",),
+            ENV_POD_UID: ("pod_uid",),
+            ENV_NODE_NAME: ("node_name",),
+            ENV_SOCKET: ("socket_path",),
+            ENV_RAM_DIR: ("ram", "path"),
+            ENV_PVC_DIR: ("pvc", "path"),
+            ENV_GCS_BUCKET: ("gcs", "bucket"),
+            ENV_GCS_PREFIX: ("gcs", "prefix"),
         }
         for var, keys in overrides.items():
             value = env.get(var)

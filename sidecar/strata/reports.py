@@ -16,8 +16,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from strata.config import TierName
+from strata.constants import REPORT_PATH as REPORT_PATH
 
-REPORT_PATH = "/v1/reports"
 REPORT_VERSION: Literal[1] = 1
 MAX_EVENTS = 16
 

@@ -223,22 +223,22 @@ def test_c04_staging_falls_back_past_corrupt_copies_and_quarantines_them(
     config, ram, pvc, gcs = three_tiers
     put_everywhere(ram, pvc, gcs, 100)
     side = sidecar_proc(config)
-    agent = connect(config.socket)
-    assert agent is not None
+    sidecar_api = connect(config.socket)
+    assert sidecar_api is not None
 
     # 1. RAM hit.
-    res = agent.stage(JOB, 100, 0, 1)
+    res = sidecar_api.stage(JOB, 100, 0, 1)
     assert res.tier == "ram" and res.path.read_bytes()[: res.nbytes] == payload(100)
     # 2. RAM copy corrupt -> PVC serves, RAM copy quarantined.
     flip_byte(ram.data_path(JOB, 100, 0))
-    res = agent.stage(JOB, 100, 0, 1)
+    res = sidecar_api.stage(JOB, 100, 0, 1)
     assert res.tier == "pvc"
     assert any(s.startswith("ram:") and "quarantined" in s for s in res.skipped)
     assert res.path.read_bytes()[: res.nbytes] == payload(100)
     # 3. RAM (restaged copy) and PVC corrupt -> GCS serves.
     flip_byte(ram.data_path(JOB, 100, 0))
     flip_byte(pvc.data_path(JOB, 100, 0))
-    res = agent.stage(JOB, 100, 0, 1)
+    res = sidecar_api.stage(JOB, 100, 0, 1)
     assert res.tier == "gcs"
     assert [s.split(":")[0] for s in res.skipped if "quarantined" in s] == ["ram", "pvc"]
     assert res.path.read_bytes()[: res.nbytes] == payload(100)
@@ -305,10 +305,10 @@ def test_c06_no_tier_holds_a_step_is_a_clear_error_never_a_silent_step_0(
 
     config = config_for(shm_dir, tmp_path / "pvc")
     sidecar_proc(config)
-    agent = connect(config.socket)
-    assert agent is not None
+    sidecar_api = connect(config.socket)
+    assert sidecar_api is not None
     with pytest.raises(StageError, match="no tier could serve rank 0 of step 7"):
-        agent.stage(JOB, 7, 0, 1)
+        sidecar_api.stage(JOB, 7, 0, 1)
     with (
         Checkpointer(config, rank=0, world_size=1) as ckpt,
         pytest.raises(RestoreError, match="no restorable checkpoint"),
@@ -329,14 +329,14 @@ def test_c05_saves_racing_promotions_never_tear_a_promoted_copy(
         shm_dir, None, pvc={"path": str(pvc_root), "every": {"steps": 10}, "keep": 100}
     )
     sidecar_proc(config)
-    agent = connect(config.socket)
-    assert agent is not None
+    sidecar_api = connect(config.socket)
+    assert sidecar_api is not None
     ram, pvc = RamTier(shm_dir, keep=1), PosixTier(pvc_root)
     size = 4 * 1024 * 1024
     saved, refused = [], 0
     for step in range(10, 310, 10):
         try:
-            write_ram_shard(ram, JOB, step, 0, payload(step, n=size), provider=agent)
+            write_ram_shard(ram, JOB, step, 0, payload(step, n=size), provider=sidecar_api)
             saved.append(step)
         except SlotsBusy:
             refused += 1  # back-pressure: every slot still leased by promotion; never torn
@@ -353,13 +353,13 @@ def test_c14_sigterm_flushes_the_newest_ram_step_to_the_pvc_and_exits_0(
     pvc_root = tmp_path / "pvc"
     config = config_for(shm_dir, pvc_root)
     side = sidecar_proc(config)
-    agent = connect(config.socket)
-    assert agent is not None
+    sidecar_api = connect(config.socket)
+    assert sidecar_api is not None
     ram, pvc = RamTier(shm_dir, keep=1), PosixTier(pvc_root)
-    write_ram_shard(ram, JOB, 50, 0, payload(50), provider=agent)
+    write_ram_shard(ram, JOB, 50, 0, payload(50), provider=sidecar_api)
     wait_until(lambda: pvc.complete_steps(JOB) == [50], what="step 50 promoted")
     # Step 70 is not due on the PVC (every 50) and its checksum pass has not run yet.
-    write_ram_shard(ram, JOB, 70, 0, payload(70), provider=agent, verified=False)
+    write_ram_shard(ram, JOB, 70, 0, payload(70), provider=sidecar_api, verified=False)
     assert side.terminate() == 0
     assert pvc.complete_steps(JOB) == [50, 70]
     assert committed_bytes(pvc, 70) == payload(70)
@@ -376,9 +376,9 @@ def test_c14_an_unreachable_bucket_never_delays_the_flush_to_the_pvc(
         shm_dir, pvc_root, gcs={"bucket": "unreachable", "endpoint": dead, "every": {"steps": 10}}
     )
     side = sidecar_proc(config)
-    agent = connect(config.socket)
-    assert agent is not None
-    write_ram_shard(RamTier(shm_dir, keep=1), JOB, 70, 0, payload(70), provider=agent)
+    sidecar_api = connect(config.socket)
+    assert sidecar_api is not None
+    write_ram_shard(RamTier(shm_dir, keep=1), JOB, 70, 0, payload(70), provider=sidecar_api)
     assert side.terminate(timeout=40) == 0
     assert committed_bytes(PosixTier(pvc_root), 70) == payload(70)
 
@@ -438,11 +438,11 @@ def test_reports_reach_an_https_receiver_with_the_rotating_bearer_token_and_metr
         },
     )
     side = sidecar_proc(config)
-    agent = connect(config.socket)
-    assert agent is not None
+    sidecar_api = connect(config.socket)
+    assert sidecar_api is not None
     ram = RamTier(shm_dir, keep=1)
-    write_ram_shard(ram, JOB, 50, 0, payload(50), provider=agent)
-    agent.report(
+    write_ram_shard(ram, JOB, 50, 0, payload(50), provider=sidecar_api)
+    sidecar_api.report(
         {"job_id": JOB, "rank": 0, "kind": "save", "step": 50, "ok": True, "stall_seconds": 0.004}
     )
 
@@ -457,7 +457,7 @@ def test_reports_reach_an_https_receiver_with_the_rotating_bearer_token_and_metr
 
     # The projected token rotates: the next report carries the new one.
     token.write_text("token-two\n")
-    agent.report(
+    sidecar_api.report(
         {
             "job_id": JOB,
             "rank": 0,
@@ -510,9 +510,9 @@ def test_report_delivery_retries_then_drops_without_blocking_promotion(
         },
     )
     side = sidecar_proc(config)
-    agent = connect(config.socket)
-    assert agent is not None
-    write_ram_shard(RamTier(shm_dir, keep=1), JOB, 50, 0, payload(50), provider=agent)
+    sidecar_api = connect(config.socket)
+    assert sidecar_api is not None
+    write_ram_shard(RamTier(shm_dir, keep=1), JOB, 50, 0, payload(50), provider=sidecar_api)
     wait_until(
         lambda: PosixTier(pvc_root).complete_steps(JOB) == [50],
         what="promotion despite a failing receiver",
@@ -533,15 +533,15 @@ def test_slots_are_allocated_by_the_sidecar_within_the_ram_size_limit(
     limit = 8 * 1024 * 1024
     config = config_for(shm_dir, ram={"path": str(shm_dir), "keep": 1, "size_limit_bytes": limit})
     sidecar_proc(config)
-    agent = connect(config.socket)
-    assert agent is not None
-    slot = agent.acquire_slot(JOB, 0, 3 * 1024 * 1024)
+    sidecar_api = connect(config.socket)
+    assert sidecar_api is not None
+    slot = sidecar_api.acquire_slot(JOB, 0, 3 * 1024 * 1024)
     assert slot.parent == shm_dir / JOB / "slots" / "rank-00000"
     assert os.stat(slot).st_blocks * 512 >= 3 * 1024 * 1024  # pre-allocated (pages charged)
     with pytest.raises(TierFull, match=r"ram\.size_limit_bytes=8388608"):
-        agent.acquire_slot(JOB, 1, 3 * 1024 * 1024)
+        sidecar_api.acquire_slot(JOB, 1, 3 * 1024 * 1024)
     with pytest.raises(TierError, match=r"serves job 'ns\.train', not 'ns\.other'"):
-        agent.acquire_slot("ns.other", 0, 10)
+        sidecar_api.acquire_slot("ns.other", 0, 10)
 
 
 # -- janitor ------------------------------------------------------------------------------------------------

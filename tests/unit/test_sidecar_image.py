@@ -26,7 +26,7 @@ def test_sidecar_image_runs_strata_sidecar_with_gcs_and_without_torch() -> None:
 
 
 def test_the_sidecar_and_its_client_side_import_without_torch() -> None:
-    """The image has no torch: the agent, the CLI and the SidecarClient must not need it."""
+    """The image has no torch: the sidecar, the CLI and the SidecarClient must not need it."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import strata.sidecar.service, strata.client.sidecar_client, strata.cli, strata.sidecar.promotion\n"

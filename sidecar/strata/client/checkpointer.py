@@ -239,10 +239,10 @@ class Checkpointer:
             # A ready sidecar on the local socket serves slots and staging (strata.sidecar).
             from strata.client.sidecar_client import connect
 
-            agent = connect(self.config.socket)
-            if agent is not None:
+            sidecar = connect(self.config.socket)
+            if sidecar is not None:
                 reuse = LocalSlotProvider(self.ram, keep=self.config.ram.keep, allocate=False)
-                slot_provider, stager = ReuseFirstSlotProvider(reuse, agent), agent
+                slot_provider, stager = ReuseFirstSlotProvider(reuse, sidecar), sidecar
             elif self.config.pvc is not None or self.config.gcs is not None:
                 # Promotion is the sidecar's job; without one, checkpoints stay in RAM only.
                 log.warning(

@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata.constants import HEARTBEAT_NAME as HEARTBEAT_NAME
+
 log = logging.getLogger("strata.janitor")
 
-HEARTBEAT_NAME = ".strata-heartbeat"
 _STRATA_ENTRIES = frozenset({"steps", "slots", HEARTBEAT_NAME, ".strata"})
 
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of the sidecar (``/metrics``), in base units with a ``strata_`` prefix.
 
-One :class:`Metrics` owns its own ``CollectorRegistry`` so several agents (tests) never collide
+One :class:`Metrics` owns its own ``CollectorRegistry`` so several sidecars (tests) never collide
 in the process-global registry.
 
 =====================================================  =========  ==============================

@@ -1,0 +1,41 @@
+"""Names the data plane and the operator must agree on: environment variables, file names,
+HTTP paths, annotation keys. The operator's webhook writes them, the sidecar and the client read
+them; both import them from here so that a rename cannot split them.
+
+Rule: constants only (no imports from the rest of Strata).
+"""
+
+from __future__ import annotations
+
+# -- environment of the trainer and the sidecar (set by the webhook; see strata.config) ---------
+
+ENV_CONFIG = "STRATA_CONFIG"
+"""JSON of the whole :class:`strata.config.StrataConfig` (what the webhook injects)."""
+ENV_JOB_ID = "STRATA_JOB_ID"
+ENV_SOCKET = "STRATA_SOCKET"
+ENV_RAM_DIR = "STRATA_RAM_DIR"
+ENV_PVC_DIR = "STRATA_PVC_DIR"
+ENV_GCS_BUCKET = "STRATA_GCS_BUCKET"
+ENV_GCS_PREFIX = "STRATA_GCS_PREFIX"
+ENV_POD_NAME = "POD_NAME"
+"""Downward API (``metadata.name``), like the three below."""
+ENV_POD_NAMESPACE = "POD_NAMESPACE"
+ENV_POD_UID = "POD_UID"
+ENV_NODE_NAME = "NODE_NAME"
+
+# -- files ------------------------------------------------------------------------------------------
+
+SOCKET_RELPATH = ".strata/sidecar.sock"
+"""The sidecar's local API socket, relative to the RAM tier's directory (the default of
+``StrataConfig.socket``)."""
+HEARTBEAT_NAME = ".strata-heartbeat"
+"""``<ram>/<job>/.strata-heartbeat``: touched by a live sidecar; the hostPath janitor removes a
+job's RAM data only when it is stale."""
+
+# -- HTTP and Kubernetes ------------------------------------------------------------------------------
+
+REPORT_PATH = "/v1/reports"
+"""Where the operator receives sidecar reports (:class:`strata.reports.SidecarReport`)."""
+RUN_ID_ANNOTATION = "strata.dev/run-id"
+"""Workload annotation overriding the job id, so that a resubmitted run continues from its
+checkpoints."""
