@@ -8,7 +8,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export NO_PROXY := 127.0.0.1,localhost,::1
 export no_proxy := 127.0.0.1,localhost,::1
 
-.PHONY: help venv demo test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
+PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
+
+.PHONY: help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
         manifests manifests-check bench bench-smoke tools cluster-up cluster-down clean
 
 help: ## list the targets
@@ -25,6 +27,13 @@ venv: $(STAMP) ## create .venv and install strata with all extras
 demo: $(STAMP) ## the main job: train a small LM, checkpoint through RAM -> PVC -> GCS, recover from each tier
 	$(BIN)/python -m strata.demo $(DEMO_ARGS)
 
+check: $(STAMP) ## the inner loop (under a minute warm): ruff, format check, mypy, import contracts, unit tests
+	$(BIN)/ruff check $(PY_DIRS)
+	$(BIN)/ruff format --check $(PY_DIRS)
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -m unit -q -p no:cacheprovider tests $(PYTEST_ARGS)
+
 test: $(STAMP) lint typecheck crds-check tools manifests-check ## every test: lint, CRD freshness, unit, integration, e2e
 	$(BIN)/python -m pytest -p no:cacheprovider tests e2e $(PYTEST_ARGS)
 
@@ -38,15 +47,15 @@ test-e2e: $(STAMP) tools ## end-to-end tests on the local control plane
 	$(BIN)/python -m pytest e2e $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff lint + format check, import contracts
-	$(BIN)/ruff check sidecar operator tests e2e bench examples charts/strata/hack
-	$(BIN)/ruff format --check sidecar operator tests e2e bench examples charts/strata/hack
+	$(BIN)/ruff check $(PY_DIRS)
+	$(BIN)/ruff format --check $(PY_DIRS)
 	$(BIN)/lint-imports
 
 fmt: $(STAMP) ## apply ruff formatting and fixes
-	$(BIN)/ruff check --fix sidecar operator tests e2e bench examples charts/strata/hack
-	$(BIN)/ruff format sidecar operator tests e2e bench examples charts/strata/hack
+	$(BIN)/ruff check --fix $(PY_DIRS)
+	$(BIN)/ruff format $(PY_DIRS)
 
-typecheck: $(STAMP) ## mypy strict on the packages
+typecheck: $(STAMP) ## mypy strict on the packages and the tests
 	$(BIN)/mypy
 
 crds: $(STAMP) ## regenerate crds/ from the pydantic models

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,7 +79,7 @@ def run_ranks(
     ram_root: Path,
     pvc: Path | None,
     out: Path,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Run ``world`` restoring trainer processes (gloo on loopback); their JSON results by rank."""
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()

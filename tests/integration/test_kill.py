@@ -40,6 +40,7 @@ def test_sigkill_during_save_never_loses_or_mixes_a_committed_step(
         p.start()
         # Let it restore and save a few steps first on some runs; kill almost at once on others
         time.sleep(rnd.choice([0.0, 0.005, 0.02]) + rnd.random() * 0.12)
+        assert p.pid is not None
         os.kill(p.pid, signal.SIGKILL)
         p.join(timeout=30)
         assert p.exitcode == -signal.SIGKILL, f"kill point {i}: trainer exited {p.exitcode}"

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from strata.config import StrataConfig
 from strata_operator import api
 from strata_operator.reconcile import InvalidSpec, parse_spec
-from tests.fixtures.policies import PolicyBuilder, invalid_policies
+from tests.fixtures.policies import InvalidCase, PolicyBuilder, invalid_policies
 
 pytestmark = pytest.mark.unit
 
@@ -30,7 +30,9 @@ def test_there_are_at_least_fifty_generated_invalid_policies() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_every_invalid_policy_is_rejected_with_a_message_naming_the_problem(case) -> None:
+def test_every_invalid_policy_is_rejected_with_a_message_naming_the_problem(
+    case: InvalidCase,
+) -> None:
     with pytest.raises(InvalidSpec) as err:
         parse_spec(case.spec)
     assert case.expect.lower() in err.value.message.lower()

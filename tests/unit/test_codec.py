@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from strata.errors import CodecError
 from strata.format import codec
 from strata.format.manifest import ALIGN, Manifest
 
@@ -42,9 +43,9 @@ def same(a: Any, b: Any) -> bool:
             and _bytes(a) == _bytes(b)
         )
     if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        return bool(a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes())
     if isinstance(a, np.generic):
-        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        return bool(a.dtype == b.dtype and a.tobytes() == b.tobytes())
     if isinstance(a, float):
         return (math.isnan(a) and math.isnan(b)) or (
             a == b and math.copysign(1, a) == math.copysign(1, b)
@@ -239,7 +240,8 @@ def test_tied_module_parameters() -> None:
     assert isinstance(loaded["params"][0], torch.nn.Parameter)
     assert loaded["sd"]["0.weight"].data_ptr() == loaded["sd"]["1.weight"].data_ptr()
     assert isinstance(loaded["sd"], collections.OrderedDict)
-    assert loaded["sd"]._metadata == model.state_dict()._metadata
+    # torch sets _metadata on state dicts; its stubs do not declare it.
+    assert loaded["sd"]._metadata == model.state_dict()._metadata  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- non-tensor state
@@ -253,7 +255,7 @@ def test_rng_states_and_optimizer_roundtrip() -> None:
     gen = np.random.default_rng(5)
     gen.random(3)
     random.seed(3)
-    state = {
+    state: dict[str, Any] = {
         "optim": opt.state_dict(),
         "py_rng": random.getstate(),
         "np_legacy": np.random.get_state(),
@@ -333,7 +335,7 @@ def test_object_arrays_and_subclasses_refused() -> None:
 def test_truncated_data_is_a_clear_error() -> None:
     enc, data = codec.dumps({"w": torch.ones(100)})
     m = enc.manifest(job_id="j", step=1, rank=0, world_size=1, writer_id="w")
-    with pytest.raises(codec.CodecError, match="truncated"):
+    with pytest.raises(CodecError, match="truncated"):
         codec.load(m, data[:10], where="/x/rank-00000.data")
 
 
@@ -341,13 +343,13 @@ def test_unknown_dtype_and_tag() -> None:
     enc, data = codec.dumps({"w": torch.ones(2)})
     m = enc.manifest(job_id="j", step=1, rank=0, world_size=1, writer_id="w")
     bad = m.model_copy(update={"tensors": [m.tensors[0].model_copy(update={"dtype": "float99"})]})
-    with pytest.raises(codec.CodecError, match="float99"):
+    with pytest.raises(CodecError, match="float99"):
         codec.load(bad, data)
     bad2 = m.model_copy(update={"tree": {"w": {"__future__": 1}}})
-    with pytest.raises(codec.CodecError, match="unknown tag"):
+    with pytest.raises(CodecError, match="unknown tag"):
         codec.load(bad2, data)
     bad3 = m.model_copy(update={"tensors": [m.tensors[0].model_copy(update={"shape": [200]})]})
-    with pytest.raises(codec.CodecError, match="does not fit"):
+    with pytest.raises(CodecError, match="does not fit"):
         codec.load(bad3, data)
 
 
@@ -382,5 +384,5 @@ def test_load_into_copies_in_place_and_keeps_identity() -> None:
 def test_load_into_shape_mismatch_names_path() -> None:
     enc, data = codec.dumps({"model": {"w": torch.ones(3, 4)}})
     m = enc.manifest(job_id="j", step=1, rank=0, world_size=1, writer_id="w")
-    with pytest.raises(codec.CodecError, match=r"state\['model'\]\['w'\].*float32\[5, 4\]"):
+    with pytest.raises(CodecError, match=r"state\['model'\]\['w'\].*float32\[5, 4\]"):
         codec.load_into({"model": {"w": torch.zeros(5, 4)}}, m, data)

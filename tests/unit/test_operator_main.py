@@ -15,7 +15,8 @@ def _body(generation: int, claim: str) -> kopf.Body:
         {
             "apiVersion": "strata.dev/v1alpha1",
             "kind": "CheckpointPolicy",
-            "metadata": {"name": "p", "namespace": "ns", "generation": generation},
+            # An API object carries more metadata than RawMeta declares.
+            "metadata": {"name": "p", "namespace": "ns", "generation": generation},  # type: ignore[typeddict-unknown-key]
             "spec": {"tiers": {"pvc": {"claimName": claim}}},
             "status": {"observedGeneration": generation - 1},
         }

@@ -16,7 +16,7 @@ T0 = datetime(2026, 11, 30, 10, 0, 0, tzinfo=UTC)
 
 
 def report(job: str = "ns.train", pod: str = "train-0", **kw: object) -> SidecarReport:
-    return SidecarReport(policy="fast", namespace="ns", pod_name=pod, job_id=job, **kw)  # type: ignore[arg-type]
+    return SidecarReport(policy="fast", namespace="ns", pod_name=pod, job_id=job, **kw)
 
 
 def test_first_report_creates_the_job_entry_with_steps_restore_and_error() -> None:
