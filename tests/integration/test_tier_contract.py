@@ -3,7 +3,10 @@
 The restore planner and the promotion engine treat tiers alike, so each must behave alike
 (strata.tiers.base): a shard is committed exactly when its manifest is there, what is fetched is
 what was put, a bad copy is detected and un-committed by quarantine, a failed put commits nothing,
-and deleting a step never touches another step. A tier module that does not exist yet is skipped.
+and deleting a step never touches another step. Every method of :class:`Tier` is exercised on
+every tier here, the optional abilities with defaults too (``data_path``, ``read_in_place``,
+``verify_shard``, ``gc_incomplete``, ``close``, ``put_shard(verify_source=False)``). A tier
+module that does not exist yet is skipped.
 """
 
 from __future__ import annotations
@@ -224,10 +227,8 @@ def test_corrupt_copy_is_detected_and_quarantine_uncommits_it(
     tut.flip_byte(layout.data_key(JOB, 5, 0), 4321)
     with pytest.raises(ShardCorrupt, match="rank-00000"):
         tut.tier.fetch_shard(JOB, 5, 0, tmp_path / "bad.bin")
-    verify = getattr(tut.tier, "verify_shard", None)
-    if verify is not None:
-        with pytest.raises(ShardCorrupt):
-            verify(JOB, 5, 0)
+    with pytest.raises(ShardCorrupt):
+        tut.tier.verify_shard(JOB, 5, 0)
 
     tut.tier.quarantine(JOB, 5, 0, reason="CRC32C mismatch (contract test)")
     with pytest.raises(ShardUnavailable):
@@ -313,3 +314,91 @@ def test_delete_step_removes_that_step_only(tut: TierUnderTest, tmp_path: Path) 
         for r in (0, 1):
             assert _fetch(tut, tmp_path, s, r) == saved[(s, r)]
     tut.tier.delete_step(JOB, 2)  # deleting again is harmless
+
+
+def test_verify_shard_checks_the_committed_copy(tut: TierUnderTest, tmp_path: Path) -> None:
+    data = _put(tut, tmp_path, 11, 0, nbytes=4096)
+    manifest = tut.tier.verify_shard(JOB, 11, 0)
+    assert (manifest.step, manifest.rank, manifest.data_nbytes) == (11, 0, len(data))
+    with pytest.raises(ShardUnavailable) as err:
+        tut.tier.verify_shard(JOB, 12, 0)
+    assert not isinstance(err.value, ShardCorrupt)
+    tut.flip_byte(layout.data_key(JOB, 11, 0), 7)
+    with pytest.raises(ShardCorrupt):
+        tut.tier.verify_shard(JOB, 11, 0)
+
+
+def test_data_path_is_the_data_file_or_none(tut: TierUnderTest, tmp_path: Path) -> None:
+    """A tier the process can read as files names the data file; an object store names none."""
+    data = _put(tut, tmp_path, 12, 0, nbytes=3000)
+    path = tut.tier.data_path(JOB, 12, 0)
+    if tut.kind == "gcs":
+        assert path is None
+    else:
+        assert path is not None
+        assert path.read_bytes()[: len(data)] == data
+
+
+def test_read_in_place_serves_only_where_the_medium_allows(
+    tut: TierUnderTest, tmp_path: Path
+) -> None:
+    """RAM serves a shard where it lies, verified; the others say None (copy it out)."""
+    data = _put(tut, tmp_path, 13, 0, world_size=2, nbytes=3500)
+    hit = tut.tier.read_in_place(JOB, 13, 0, world_size=2, verify=True)
+    if tut.kind != "ram":
+        assert hit is None
+        return
+    assert hit is not None
+    assert hit.manifest.step == 13 and hit.manifest.data_nbytes == len(data)
+    assert hit.path.read_bytes()[: len(data)] == data
+    assert hit.notes == []
+    with pytest.raises(ShardUnavailable):
+        tut.tier.read_in_place(JOB, 13, 0, world_size=4, verify=True)
+    with pytest.raises(ShardUnavailable):
+        tut.tier.read_in_place(JOB, 14, 0, world_size=2, verify=True)
+    tut.flip_byte(layout.data_key(JOB, 13, 0), 100)
+    with pytest.raises(ShardCorrupt):
+        tut.tier.read_in_place(JOB, 13, 0, world_size=2, verify=True)
+
+
+def test_put_without_verifying_the_source_never_serves_bad_bytes(
+    tut: TierUnderTest, tmp_path: Path
+) -> None:
+    """``verify_source=False`` skips the check before writing; a bad source is then refused by
+    the tier (GCS compares the stored CRC32C) or caught by verify_shard and fetch_shard."""
+    path, manifest, data = make_shard(
+        tmp_path, job_id=JOB, step=15, nbytes=5000, chunk_size=1024, writer_id=WRITER
+    )
+    bad = bytearray(data)
+    bad[20] ^= 0x01
+    path.write_bytes(bytes(bad))
+    try:
+        tut.tier.put_shard(JOB, 15, 0, path, manifest, verify_source=False)
+    except ShardCorrupt:
+        with pytest.raises(ShardUnavailable):
+            tut.tier.get_manifest(JOB, 15, 0)
+        return
+    with pytest.raises(ShardCorrupt):
+        tut.tier.verify_shard(JOB, 15, 0)
+    with pytest.raises(ShardCorrupt):
+        tut.tier.fetch_shard(JOB, 15, 0, tmp_path / "bad.bin")
+
+
+def test_gc_incomplete_never_touches_committed_shards(tut: TierUnderTest, tmp_path: Path) -> None:
+    """Whatever a medium collects (GCS: leftovers of interrupted uploads), committed shards and
+    the newest complete step survive, and what was deleted is listed."""
+    older = _put(tut, tmp_path, 20, 0)
+    newest = _put(tut, tmp_path, 30, 0)
+    tut.write_raw(layout.data_key(JOB, 25, 0), os.urandom(2000))  # a crashed writer's data
+    deleted = tut.tier.gc_incomplete(JOB, 0.0)
+    assert isinstance(deleted, list) and all(isinstance(d, str) for d in deleted)
+    assert not [d for d in deleted if d.endswith(layout.MANIFEST_SUFFIX)]
+    assert tut.tier.complete_steps(JOB) == [20, 30]
+    assert _fetch(tut, tmp_path, 20, 0) == older
+    assert _fetch(tut, tmp_path, 30, 0) == newest
+
+
+def test_close_releases_and_is_harmless_to_repeat(tut: TierUnderTest, tmp_path: Path) -> None:
+    _put(tut, tmp_path, 40, 0)
+    tut.tier.close()
+    tut.tier.close()
