@@ -6,7 +6,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -63,6 +63,29 @@ class Recorder:
         return [e for e in self.events if e.kind == kind]
 
 
+class PvcRig(NamedTuple):
+    """RAM (real tmpfs) and a PVC directory, and an engine promoting between them."""
+
+    ram: RamTier
+    pvc: PosixTier
+    engine: PromotionEngine
+    events: Recorder
+
+
+def pvc_rig(
+    shm_dir: Path, tmp_path: Path, pvc: PosixTier | None = None, **engine_kwargs: Any
+) -> PvcRig:
+    """The usual set-up: :func:`make_config`, ``RamTier(keep=1)``, a PVC under ``tmp_path/pvc``
+    (or ``pvc``), an engine whose events go to a :class:`Recorder`; ``engine_kwargs`` go to the
+    engine."""
+    config = make_config(shm_dir, tmp_path / "pvc")
+    ram = RamTier(shm_dir, keep=1)
+    pvc = pvc if pvc is not None else PosixTier(tmp_path / "pvc")
+    events = Recorder()
+    engine = PromotionEngine(config, ram, {"pvc": pvc}, on_event=events, **engine_kwargs)
+    return PvcRig(ram, pvc, engine, events)
+
+
 def test_intervals_retention_and_gcs_copy_from_the_pvc(
     shm_dir: Path, tmp_path: Path, gcs_emulator: GcsEmulator, gcs_bucket: str
 ) -> None:
@@ -104,10 +127,7 @@ def test_c05_trainer_saves_while_the_sidecar_promotes(shm_dir: Path, tmp_path: P
                 assert release.wait(30)
             return super().put_shard(*args, **kwargs)
 
-    config = make_config(shm_dir, tmp_path / "pvc")
-    ram = RamTier(shm_dir, keep=1)
-    pvc = HeldPvc(tmp_path / "pvc")
-    engine = PromotionEngine(config, ram, {"pvc": pvc})
+    ram, pvc, engine, _ = pvc_rig(shm_dir, tmp_path, pvc=HeldPvc(tmp_path / "pvc"))
     provider = LocalSlotProvider(ram, keep=1)
     n = 20
     write_ram_shard(ram, JOB, n, 0, payload(n), provider=provider)
@@ -131,11 +151,7 @@ def test_c05_trainer_saves_while_the_sidecar_promotes(shm_dir: Path, tmp_path: P
 def test_an_io_error_abandons_the_attempt_and_a_later_round_retries_from_the_source(
     shm_dir: Path, tmp_path: Path
 ) -> None:
-    config = make_config(shm_dir, tmp_path / "pvc")
-    ram = RamTier(shm_dir, keep=1)
-    pvc = PosixTier(tmp_path / "pvc")
-    events = Recorder()
-    engine = PromotionEngine(config, ram, {"pvc": pvc}, on_event=events, backoff_seconds=0)
+    ram, pvc, engine, events = pvc_rig(shm_dir, tmp_path, backoff_seconds=0)
     write_ram_shard(ram, JOB, 20, 0, payload(20))
     # A file where the step directory must go: mkdir fails for real (ENOTDIR / EEXIST).
     blocker = tmp_path / "pvc" / layout.step_key(JOB, 20)
@@ -153,11 +169,7 @@ def test_an_io_error_abandons_the_attempt_and_a_later_round_retries_from_the_sou
 def test_c04_a_corrupt_ram_shard_is_quarantined_not_promoted_and_not_retried(
     shm_dir: Path, tmp_path: Path
 ) -> None:
-    config = make_config(shm_dir, tmp_path / "pvc")
-    ram = RamTier(shm_dir, keep=1)
-    pvc = PosixTier(tmp_path / "pvc")
-    events = Recorder()
-    engine = PromotionEngine(config, ram, {"pvc": pvc}, on_event=events)
+    ram, pvc, engine, events = pvc_rig(shm_dir, tmp_path)
     write_ram_shard(ram, JOB, 20, 0, payload(20))
     flip_byte(ram.data_path(JOB, 20, 0))
     engine.promote_once()
@@ -171,13 +183,8 @@ def test_a_shard_without_checksums_is_sealed_by_the_sidecar_and_then_promoted(
     shm_dir: Path, tmp_path: Path
 ) -> None:
     """The writer died before its checksum pass: after a while the sidecar checksums it itself."""
-    config = make_config(shm_dir, tmp_path / "pvc")
-    ram = RamTier(shm_dir, keep=1)
-    pvc = PosixTier(tmp_path / "pvc")
     clock = [0.0]
-    engine = PromotionEngine(
-        config, ram, {"pvc": pvc}, seal_after_seconds=5, clock=lambda: clock[0]
-    )
+    ram, pvc, engine, _ = pvc_rig(shm_dir, tmp_path, seal_after_seconds=5, clock=lambda: clock[0])
     write_ram_shard(ram, JOB, 20, 0, payload(20), verified=False)
     assert engine.promote_once().promoted == {}  # maybe its writer is still checksumming
     clock[0] = 6.0
@@ -188,10 +195,7 @@ def test_a_shard_without_checksums_is_sealed_by_the_sidecar_and_then_promoted(
 def test_flush_promotes_the_newest_ram_step_although_the_interval_is_not_due(
     shm_dir: Path, tmp_path: Path
 ) -> None:
-    config = make_config(shm_dir, tmp_path / "pvc")
-    ram = RamTier(shm_dir, keep=1)
-    pvc = PosixTier(tmp_path / "pvc")
-    engine = PromotionEngine(config, ram, {"pvc": pvc})
+    ram, pvc, engine, _ = pvc_rig(shm_dir, tmp_path)
     for step in (20, 30):
         write_ram_shard(ram, JOB, step, 0, payload(step))
         engine.promote_once()
@@ -238,10 +242,7 @@ def test_retention_gc_respects_grace_writer_and_never_deletes_the_newest_complet
 def test_one_sidecar_serves_several_ranks_and_promotes_only_steps_all_of_them_committed(
     shm_dir: Path, tmp_path: Path
 ) -> None:
-    config = make_config(shm_dir, tmp_path / "pvc")
-    ram = RamTier(shm_dir, keep=1)
-    pvc = PosixTier(tmp_path / "pvc")
-    engine = PromotionEngine(config, ram, {"pvc": pvc})
+    ram, pvc, engine, _ = pvc_rig(shm_dir, tmp_path)
     for rank in (0, 1):
         write_ram_shard(ram, JOB, 10, rank, payload(10, rank), world_size=2)
     write_ram_shard(ram, JOB, 20, 0, payload(20, 0), world_size=2)

@@ -134,6 +134,19 @@ def test_start_up_prefetches_the_newest_durable_step_for_ranks_the_ram_tier_know
     wait_until(lambda: any(e.get("event") == "prefetched" for e in side.log_events()), what="log")
 
 
+def run_sidecar_once(
+    env: dict[str, str], config: dict[str, Any]
+) -> subprocess.CompletedProcess[str]:
+    """``strata sidecar`` with ``config`` as STRATA_CONFIG, expected to exit at start-up."""
+    return subprocess.run(
+        [sys.executable, "-m", "strata.cli", "sidecar"],
+        env={**env, "STRATA_CONFIG": json.dumps(config)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_bad_configuration_exits_2_naming_the_setting(shm_dir: Path, sidecar_proc: Start) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
     for config, words in (
@@ -148,13 +161,7 @@ def test_bad_configuration_exits_2_naming_the_setting(shm_dir: Path, sidecar_pro
             "pvc.every.steps=15",
         ),
     ):
-        proc = subprocess.run(
-            [sys.executable, "-m", "strata.cli", "sidecar"],
-            env={**env, "STRATA_CONFIG": json.dumps(config)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        proc = run_sidecar_once(env, config)
         assert proc.returncode == 2, proc.stderr
         assert words in proc.stderr
 
@@ -184,13 +191,7 @@ def test_an_unusable_environment_stops_the_sidecar_with_one_clear_line(tmp_path:
             ),
         )
         for config, words in cases:
-            proc = subprocess.run(
-                [sys.executable, "-m", "strata.cli", "sidecar"],
-                env={**env, "STRATA_CONFIG": json.dumps(config)},
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            proc = run_sidecar_once(env, config)
             assert proc.returncode == 1, proc.stderr
             assert "strata sidecar: cannot start:" in proc.stderr and words in proc.stderr
             assert "Traceback" not in proc.stderr
