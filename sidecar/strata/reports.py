@@ -1,4 +1,4 @@
-"""Report schema: what a sidecar pushes to the operator (DESIGN.md "Reports").
+"""Report schema: what a sidecar pushes to the operator (docs/architecture.md "Reports").
 
 The sidecar POSTs one :class:`SidecarReport` as JSON to ``<report endpoint>/v1/reports`` with
 ``Authorization: Bearer <projected service-account token>``. The operator validates it with this

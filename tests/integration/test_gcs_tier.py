@@ -1,6 +1,6 @@
 """GcsTier against the real fake-gcs-server with the real google-cloud-storage client.
 
-Covers the commit protocol of DESIGN.md "GCS": CRC32C on every object, create-only uploads
+Covers docs/architecture.md "Commit protocol" for GCS: CRC32C on every object, create-only uploads
 (``if_generation_match=0``), manifest last (C-09), data without a manifest ignored and
 garbage-collected only after a grace period (C-08), a 412 on the retry of an upload that landed,
 parallel composite uploads and parallel ranged downloads, and errors naming ``gs://`` objects.

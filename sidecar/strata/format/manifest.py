@@ -1,4 +1,5 @@
-"""Shard manifest: the commit record of one rank's shard of one step (DESIGN.md).
+"""Shard manifest: the commit record of one rank's shard of one step (docs/architecture.md
+"Layout").
 
 A shard is two objects: ``rank-RRRRR.data`` (raw storage bytes, back to back, each storage aligned
 to :data:`ALIGN`) and ``rank-RRRRR.manifest`` (this model as JSON), written LAST. The manifest

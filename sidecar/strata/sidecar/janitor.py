@@ -1,4 +1,5 @@
-"""RAM-tier heartbeat and janitor for the ``hostPath`` medium (DESIGN.md "RAM tier").
+"""RAM-tier heartbeat and janitor for the ``hostPath`` medium (docs/architecture.md "RAM tier
+and the training stall").
 
 With ``medium: HostPath`` the RAM tier is a node tmpfs shared by every job on the node, so it
 survives a pod rescheduled onto the same node, but nothing deletes a finished job's data. Each

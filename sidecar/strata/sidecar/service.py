@@ -1,6 +1,6 @@
 """The sidecar process (``strata sidecar``): start-up, serving, promotion loop, SIGTERM flush.
 
-Life cycle (DESIGN.md "Parts and data flow"; issue 3):
+Life cycle (docs/architecture.md "Parts and data flow"; issue 3):
 
 1. Configuration: :meth:`StrataConfig.from_env` and the tier policies; invalid -> exit 2 with a
    message naming the setting (:func:`main`).

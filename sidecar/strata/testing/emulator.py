@@ -9,8 +9,9 @@ wheel's own launcher always uses the filesystem backend, a fixed start-up timeou
 Point a client at it with :meth:`FakeGcsServer.client` (anonymous credentials, ``api_endpoint``)
 or a :class:`strata.config.GcsTierConfig` with ``endpoint=server.endpoint``.
 
-Known emulator gaps (DESIGN.md): preconditions (``if_generation_match``) are enforced on simple
-uploads but ignored on resumable uploads, so tests of the 412 path use simple uploads.
+Known emulator gaps (docs/architecture.md "Decisions"): preconditions (``if_generation_match``)
+are enforced on simple uploads but ignored on resumable uploads, so tests of the 412 path use
+simple uploads.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Layout (:mod:`strata.format.layout`): ``<root>/<job>/steps/<step:012d>/rank-<r:05d>.{data,manifest}``.
 
-Commit protocol (DESIGN.md "Commit protocol"), in :meth:`PosixTier.put_shard`:
+Commit protocol (docs/architecture.md "Commit protocol"), in :meth:`PosixTier.put_shard`:
 
 1. check the source against the manifest's CRC32Cs (a corrupt RAM copy is never promoted);
 2. write the data object from ``src_path`` in the kernel (``os.copy_file_range``, else

@@ -1,6 +1,6 @@
 """The RAM tier: a tmpfs directory holding a ring of pre-faulted slot files per rank.
 
-Why (DESIGN.md "RAM tier and the training stall"): writing fresh tmpfs files faults in every
+Why (docs/architecture.md "RAM tier and the training stall"): writing fresh tmpfs files faults in every
 4 KiB page on first touch (~1 GB/s per core, 8-15x a memcpy). So each rank owns at least
 ``keep + 1`` *slot* files, allocated once (``posix_fallocate``) and mapped persistently with
 ``MAP_POPULATE`` by the writer; ``save()`` is then a memcpy into a mapped slot.

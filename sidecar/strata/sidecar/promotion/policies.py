@@ -7,7 +7,7 @@ the RAM tier already moved past 50, 60 is promoted and the next one is due at 10
 durable tiers on the same steps (GCS every 100 finds the step on the PVC, which saved every 50)
 even when the sidecar misses a RAM step. A seconds bound is measured from the last promotion (or
 from the engine's start when the tier has never been written by it). A tier with both bounds is
-due when either has elapsed (DESIGN.md "Promotion and retention"; config.Interval).
+due when either has elapsed (docs/architecture.md "Promotion and retention"; config.Interval).
 
 Retention policies pick which *complete* steps of a tier to delete (``LatestN``). They never
 return the newest complete step; incomplete steps are never theirs to delete (the promotion
@@ -162,7 +162,8 @@ class LatestN:
     """Keep the newest ``n`` complete steps of a tier; older complete steps are deleted.
 
     ``n`` >= 1: the newest complete step is never deleted before a newer one is complete
-    (DESIGN.md "Commit protocol"), so ``keep: 0`` is refused rather than silently raised to 1.
+    (docs/architecture.md "Commit protocol"), so ``keep: 0`` is refused rather than silently
+    raised to 1.
     """
 
     n: int

@@ -1,6 +1,7 @@
 """The Google Cloud Storage tier: ``gs://<bucket>/<prefix>/<job id>/steps/<step>/rank-RRRRR.*``.
 
-Commit protocol (DESIGN.md "GCS"), in the order :meth:`GcsTier.put_shard` runs it:
+Commit protocol (docs/architecture.md "Commit protocol"), in the order :meth:`GcsTier.put_shard`
+runs it:
 
 1. Upload the data object ``rank-RRRRR.data`` (the first ``manifest.data_nbytes`` bytes of the
    local source file) with ``if_generation_match=0`` (create only, never overwrite) and a CRC32C
@@ -46,7 +47,8 @@ Endpoint and credentials: ``GcsTierConfig.endpoint`` or ``STORAGE_EMULATOR_HOST`
 emulator endpoint; a plain ``http://`` endpoint gets anonymous credentials (fake-gcs-server),
 anything else Application Default Credentials (workload identity on GKE).
 
-Emulator caveat (DESIGN.md): fake-gcs-server enforces preconditions on simple uploads only; it
+Emulator caveat (docs/architecture.md "Decisions"): fake-gcs-server enforces preconditions on
+simple uploads only; it
 ignores them on resumable uploads, compose, copy and delete, so its silence there proves nothing.
 """
 
