@@ -29,15 +29,13 @@ import logging
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Collection
 from types import FrameType
 from typing import Any
 
-from strata.config import TIER_ORDER, StrataConfig, TierName
+from strata.config import StrataConfig, TierName
 from strata.errors import TierError
-from strata.protocol import RestoreEvent, SaveEvent
-from strata.reports import MAX_EVENTS, Promotion, ReportedError, Restore, SidecarReport, TierState
+from strata.sidecar.activity import Activity
 from strata.sidecar.http import Routes, serve_tcp, serve_unix
 from strata.sidecar.janitor import touch_heartbeat
 from strata.sidecar.local_api import LocalApi
@@ -84,7 +82,7 @@ class Sidecar:
         self.durable = durable
         self.metrics = Metrics()
         self.engine = PromotionEngine(
-            config, self.ram, durable, policies=self.policies, on_event=self._on_event
+            config, self.ram, durable, policies=self.policies, on_event=self._on_promotion_event
         )
         self.poll_seconds = poll_seconds
         self.prefetch_enabled = prefetch
@@ -92,12 +90,9 @@ class Sidecar:
         self.ready = threading.Event()
         self.stop = threading.Event()
         self.terminate = threading.Event()
-        self._events_lock = threading.Lock()
-        self._promotions: deque[Promotion] = deque(maxlen=MAX_EVENTS)
-        self._restores: deque[Restore] = deque(maxlen=MAX_EVENTS)
-        self._errors: deque[ReportedError] = deque(maxlen=MAX_EVENTS)
-        self._report_due = threading.Event()
-        self._tier_state_cache: dict[TierName, TierState] = {}
+        self.activity = Activity(
+            config, self.metrics, [self.ram, *durable.values()], self.engine.local_ranks
+        )
         self.reporter = self._make_reporter()
         self.api = LocalApi(
             config,
@@ -105,7 +100,7 @@ class Sidecar:
             self.restore_tiers,
             self.engine,
             self.metrics,
-            self._on_client_event,
+            self.activity.on_client_event,
             self.ready.is_set,
         )
         self._unix: Any = None
@@ -135,129 +130,14 @@ class Sidecar:
             return None
         return Reporter(c.report, on_drop=lambda _why: self.metrics.reports_dropped.inc())
 
-    def _on_event(self, event: PromotionEvent) -> None:
-        m = self.metrics
-        if event.kind == "promoted" and event.step is not None:
-            m.promotion_duration.labels(tier=event.tier).observe(event.seconds)
-            m.promotion_bytes.labels(tier=event.tier).inc(event.nbytes)
-            m.last_committed_step.labels(tier=event.tier).set(event.step)
-            with self._events_lock:
-                self._promotions.append(
-                    Promotion(
-                        tier=event.tier,
-                        step=event.step,
-                        bytes=event.nbytes,
-                        seconds=event.seconds,
-                    )
-                )
-            self._report_due.set()
-        elif event.kind in ("failed", "gave_up"):
-            m.promotion_failures.labels(tier=event.tier).inc()
-            self._error(event.tier, f"step {event.step} ranks {list(event.ranks)}: {event.message}")
-        elif event.kind == "checksum_mismatch":
-            m.checksum_mismatches.labels(tier=event.tier).inc()
-            self._error(event.tier, f"checksum mismatch, quarantined: {event.message}")
-        elif event.kind in ("retention", "gc"):
-            m.retention_deleted.labels(tier=event.tier, reason=event.kind).inc()
-
-    def _error(self, tier: TierName | None, message: str) -> None:
-        with self._events_lock:
-            self._errors.append(ReportedError(tier=tier, message=message[:2048]))
-        self._report_due.set()
-
-    def _on_client_event(self, event: SaveEvent | RestoreEvent) -> None:
-        if isinstance(event, SaveEvent):
-            if not event.ok:
-                self._error("ram", f"save of step {event.step} failed: {event.error}")
-        else:
-            restore = Restore(
-                tier=_tier_name(event.tier),
-                step=event.step,
-                bytes=event.nbytes,
-                seconds=event.seconds,
-                outcome=event.outcome,
-                skipped=[s[:512] for s in event.skipped][:MAX_EVENTS],
-                rank=event.rank,
-            )
-            self.metrics.restore_total.labels(
-                tier=restore.tier or "none", outcome=restore.outcome
-            ).inc()
-            if restore.outcome == "restored" and restore.tier is not None:
-                self.metrics.restore_duration.labels(tier=restore.tier).observe(restore.seconds)
-            with self._events_lock:
-                self._restores.append(restore)
-            log.info(
-                "client restore: %s step %s from %s",
-                restore.outcome,
-                restore.step,
-                restore.tier,
-                extra={"event": "client_restore", "tier": restore.tier, "step": restore.step},
-            )
-            self._report_due.set()
-
-    def tier_states(self, only: Collection[str] | None = None) -> dict[TierName, TierState]:
-        """Per tier: newest complete step, newest step holding all local shards, complete count.
-
-        ``only``: tiers to list now; the others keep their last listed state (the final report
-        at SIGTERM must not wait for an unreachable bucket).
-        """
-        ranks = self.engine.local_ranks()
-        out = dict(self._tier_state_cache)
-        tiers: list[Tier] = [self.ram, *self.durable.values()]
-        for tier in tiers:
-            if only is not None and tier.name not in only:
-                continue
-            try:
-                listings = tier.list_steps(self.config.job_id)
-            except TierError as exc:
-                log.warning("cannot list the %s tier for a report: %s", tier.name, exc)
-                continue
-            complete = sorted(s for s, li in listings.items() if li.complete)
-            # The report counts a step once any local shard is committed (schema); the gauge
-            # only once every local shard is.
-            any_local = [s for s, li in listings.items() if ranks & li.committed_ranks]
-            all_local = [s for s, li in listings.items() if ranks and ranks <= li.committed_ranks]
-            state = TierState(
-                newest_complete_step=complete[-1] if complete else None,
-                newest_committed_step=max(any_local) if any_local else None,
-                complete_steps=len(complete),
-            )
-            out[tier.name] = state
-            self._tier_state_cache[tier.name] = state
-            if all_local:
-                self.metrics.last_committed_step.labels(tier=tier.name).set(max(all_local))
-        return out
-
-    def build_report(self, only: Collection[str] | None = None) -> SidecarReport | None:
-        c = self.config
-        if not (c.policy and c.namespace and c.pod_name):
-            return None
-        with self._events_lock:
-            promotions, restores, errors = (
-                list(self._promotions),
-                list(self._restores),
-                list(self._errors),
-            )
-            self._promotions.clear()
-            self._restores.clear()
-            self._errors.clear()
-        return SidecarReport(
-            policy=c.policy,
-            namespace=c.namespace,
-            pod_name=c.pod_name,
-            pod_uid=c.pod_uid,
-            job_id=c.job_id,
-            tiers=self.tier_states(only),
-            promotions=promotions,
-            restores=restores,
-            errors=errors,
-        )
+    def _on_promotion_event(self, event: PromotionEvent) -> None:
+        self.activity.on_promotion_event(event)
 
     def send_report(self, only: Collection[str] | None = None) -> None:
         if self.reporter is None:
-            self.tier_states(only)  # keeps strata_last_committed_step current
+            self.activity.tier_states(only)  # keeps strata_last_committed_step current
             return
-        report = self.build_report(only)
+        report = self.activity.build_report(only)
         if report is not None:
             self.reporter.submit(report)
 
@@ -388,14 +268,14 @@ class Sidecar:
     def _report_loop(self) -> None:
         last = 0.0
         while not self.stop.is_set():
-            self._report_due.wait(timeout=self.report_seconds)
+            self.activity.report_due.wait(timeout=self.report_seconds)
             if self.stop.is_set():
                 return
             # Coalesce bursts (a promotion to PVC and GCS in one round) into one report.
             wait = 1.0 - (time.monotonic() - last)
             if wait > 0 and self.stop.wait(wait):
                 return
-            self._report_due.clear()
+            self.activity.report_due.clear()
             last = time.monotonic()
             try:
                 self.send_report()
@@ -429,7 +309,7 @@ class Sidecar:
         r = threading.Thread(target=self._report_loop, name="strata-report-loop", daemon=True)
         r.start()
         self._threads.append(r)
-        self._report_due.set()
+        self.activity.report_due.set()
 
     def install_signal_handlers(self) -> None:
         def handler(signum: int, frame: FrameType | None) -> None:
@@ -462,7 +342,7 @@ class Sidecar:
                 result.message,
                 extra={"event": "flush", "ok": False, "tier": result.tier, "step": result.ram_step},
             )
-            self._error(
+            self.activity.error(
                 result.tier, f"SIGTERM flush of step {result.ram_step} failed: {result.message}"
             )
         remaining = deadline + TERM_MARGIN_SECONDS - time.monotonic()
@@ -494,11 +374,3 @@ class Sidecar:
         self.start_background()
         self.terminate.wait()
         return self.shutdown()
-
-
-def _tier_name(name: str | None) -> TierName | None:
-    """A tier name reported by a client, or None when it names no tier."""
-    for tier in TIER_ORDER:
-        if tier == name:
-            return tier
-    return None
