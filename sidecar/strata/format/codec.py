@@ -45,6 +45,10 @@ Limits: tensors on non-CPU devices are copied to the CPU data object and loaded 
 on any device; sparse, quantized, meta and tensor-subclass (DTensor, ...) tensors are refused with
 a TypeError saying what to convert them to; conjugate/negative-bit views are resolved first (they
 no longer share storage after a restore).
+
+Size (about 700 lines): encoding and decoding are kept in one module on purpose: every tag above
+is written in one place and read in another, and keeping the pair side by side is what keeps
+them symmetric; splitting would separate each writer from its reader.
 """
 
 from __future__ import annotations
