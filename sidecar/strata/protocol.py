@@ -138,26 +138,11 @@ class StageReply(Message):
 
     @classmethod
     def of(cls, result: StageResult) -> StageReply:
-        return cls(
-            tier=result.tier,
-            path=str(result.path),
-            manifest=result.manifest,
-            nbytes=result.nbytes,
-            seconds=result.seconds,
-            skipped=list(result.skipped),
-            quarantined=list(result.quarantined),
-        )
+        return cls.model_validate({**vars(result), "path": str(result.path)})
 
     def result(self) -> StageResult:
-        return StageResult(
-            tier=self.tier,
-            path=Path(self.path),
-            manifest=self.manifest,
-            nbytes=self.nbytes,
-            seconds=self.seconds,
-            skipped=list(self.skipped),
-            quarantined=list(self.quarantined),
-        )
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        return StageResult(**{**fields, "path": Path(self.path)})
 
 
 # -- client events -------------------------------------------------------------------------------
