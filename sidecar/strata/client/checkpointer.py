@@ -55,7 +55,7 @@ import torch
 
 from strata.client.saver import Saver
 from strata.config import StrataConfig
-from strata.errors import ConfigError, RestoreError, StageError, TierError
+from strata.errors import ConfigError, RestoreError, StageError
 from strata.format import codec
 from strata.protocol import ClientEvent, RestoreEvent
 from strata.restore import (
@@ -67,7 +67,7 @@ from strata.restore import (
     stage_into_ram,
 )
 from strata.tiers.base import Tier
-from strata.tiers.posix import PosixTier
+from strata.tiers.configured import durable_tiers, in_restore_order
 from strata.tiers.ram import RamTier
 from strata.tiers.slots import (
     LocalSlotProvider,
@@ -280,22 +280,18 @@ class Checkpointer:
 
     def _restore_tiers(self) -> list[Tier]:
         if self._tiers is None:
-            tiers: dict[str, Tier] = {"ram": self.ram}
-            if self.config.pvc is not None:
-                tiers["pvc"] = PosixTier(self.config.pvc.path, "pvc")
-            if self.config.gcs is not None:
-                try:
-                    # lazily: google-cloud-storage is optional
-                    from strata.tiers.gcs import GcsTier
 
-                    tiers["gcs"] = GcsTier(self.config.gcs, writer_id=self.writer_id)
-                except (TierError, ImportError) as exc:
-                    # No credentials or no client library must not stop a restore that RAM or
-                    # the PVC can serve: the tier is left out and the restore says so.
-                    note = f"gcs: not searched: {exc}"
-                    log.warning("strata: %s", note)
-                    self._tier_notes.append(note)
-            self._tiers = [tiers[t] for t in self.config.tiers_in_restore_order() if t in tiers]
+            def leave_out_gcs(exc: Exception) -> None:
+                # No credentials or no client library must not stop a restore that RAM or the
+                # PVC can serve: the tier is left out and the restore says so.
+                note = f"gcs: not searched: {exc}"
+                log.warning("strata: %s", note)
+                self._tier_notes.append(note)
+
+            durable = durable_tiers(
+                self.config, writer_id=self.writer_id, on_gcs_error=leave_out_gcs
+            )
+            self._tiers = in_restore_order(self.config, self.ram, durable)
         return self._tiers
 
     # -- save (the save path is :class:`strata.client.saver.Saver`) ---------------------------------

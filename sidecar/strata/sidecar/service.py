@@ -33,7 +33,7 @@ from collections.abc import Collection
 from types import FrameType
 from typing import Any
 
-from strata.config import StrataConfig, TierName
+from strata.config import StrataConfig
 from strata.errors import TierError
 from strata.sidecar.activity import Activity
 from strata.sidecar.http import Routes, serve_tcp, serve_unix
@@ -44,7 +44,7 @@ from strata.sidecar.promotion import PromotionEngine, PromotionEvent
 from strata.sidecar.promotion.policies import tier_policies
 from strata.sidecar.reporter import Reporter
 from strata.tiers.base import Tier
-from strata.tiers.posix import PosixTier
+from strata.tiers.configured import durable_tiers, in_restore_order
 from strata.tiers.ram import RamTier
 
 log = logging.getLogger("strata.sidecar")
@@ -70,15 +70,9 @@ class Sidecar:
         self.policies = tier_policies(config)  # PolicyError names a conflicting setting
         self.writer_id = config.pod_writer_id
         self.ram = RamTier(config.ram.path, keep=config.ram.keep)
-        durable: dict[TierName, Tier] = {}
-        if config.pvc is not None:
-            durable["pvc"] = PosixTier(config.pvc.path, "pvc")
-        if config.gcs is not None:
-            from strata.tiers.gcs import GcsTier
-
-            # Retried calls give up after a minute: the next round retries anyway, and a tier
-            # lock held for GCS's default two minutes would delay retention and reports.
-            durable["gcs"] = GcsTier(config.gcs, writer_id=self.writer_id, retry_timeout=60.0)
+        # Retried GCS calls give up after a minute: the next round retries anyway, and a tier
+        # lock held for GCS's default two minutes would delay retention and reports.
+        durable = durable_tiers(config, writer_id=self.writer_id, gcs_retry_timeout=60.0)
         self.durable = durable
         self.metrics = Metrics()
         self.engine = PromotionEngine(
@@ -110,10 +104,7 @@ class Sidecar:
     # -- tiers ------------------------------------------------------------------------------------
 
     def restore_tiers(self) -> list[Tier]:
-        by_name: dict[str, Tier] = {"ram": self.ram}
-        for name, tier in self.durable.items():
-            by_name[name] = tier
-        return [by_name[t] for t in self.config.tiers_in_restore_order() if t in by_name]
+        return in_restore_order(self.config, self.ram, self.durable)
 
     # -- events -> metrics and reports ------------------------------------------------------------
 
