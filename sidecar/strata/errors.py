@@ -95,5 +95,11 @@ class ManifestError(FormatError):
     """A manifest is missing, malformed, of another job/world size or an unknown version."""
 
 
+class CommitError(FormatError):
+    """A global commit record (``commit.json``) or incarnation record is malformed, fails its
+    self-checksum, or does not describe the shards it sits next to; or a step cannot be committed
+    because its shards are not one incarnation's complete set (the message says which)."""
+
+
 class CodecError(FormatError):
     """Saved data does not fit the manifest or the live state (names the path and the fix)."""

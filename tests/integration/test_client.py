@@ -296,7 +296,7 @@ def test_unsupported_value_fails_the_save_with_its_path(shm_dir: Path) -> None:
     [
         ({"job_id": "other.job"}, "manifest of job 'other.job'"),
         ({"world_size": 2}, "world size 2"),
-        ({"format_version": 2}, "format version 2"),
+        ({"format_version": 3}, "format version 3"),
     ],
 )
 def test_foreign_manifest_on_pvc_is_rejected_and_falls_back(

@@ -1,7 +1,10 @@
 """Checkpoint layout, identical in every tier (docs/architecture.md "Layout").
 
 ``<tier root>/<job id>/steps/<step:012d>/rank-<rank:05d>.data``      tensor bytes
-``<tier root>/<job id>/steps/<step:012d>/rank-<rank:05d>.manifest``  written LAST (commit point)
+``<tier root>/<job id>/steps/<step:012d>/rank-<rank:05d>.manifest``  written after the data
+``<tier root>/<job id>/steps/<step:012d>/commit.json``  global commit record, written LAST, after
+every rank's shard of one incarnation is committed in that tier (PVC, GCS; not RAM)
+``<tier root>/<job id>/incarnations/<id>.json``  one record per incarnation of the job
 
 The RAM tier also holds each rank's ring of pre-allocated slot files (the step's ``.data`` is a
 hard link to one of them):
@@ -20,11 +23,16 @@ RANK_DIGITS = 5
 DATA_SUFFIX = ".data"
 MANIFEST_SUFFIX = ".manifest"
 QUARANTINE_SUFFIX = ".quarantined"
+COMMIT_NAME = "commit.json"
+INCARNATION_SUFFIX = ".json"
 
 _SHARD_RE = re.compile(r"^rank-(\d{5})\.(data|manifest)$")
 _STEP_RE = re.compile(r"^\d{12}$")
 _RANK_DIR_RE = re.compile(r"^rank-(\d+)$")
 _SLOT_RE = re.compile(r"^slot-(\d+)$")
+INCARNATION_ID_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,63}$")
+"""An incarnation id: 1-64 characters of ``[0-9A-Za-z._-]``, not starting with a punctuation mark
+(safe as a file name and a GCS object name component)."""
 
 
 def step_name(step: int) -> str:
@@ -53,6 +61,31 @@ def data_key(job_id: str, step: int, rank: int) -> str:
 
 def manifest_key(job_id: str, step: int, rank: int) -> str:
     return f"{step_key(job_id, step)}/{shard_stem(rank)}{MANIFEST_SUFFIX}"
+
+
+def commit_key(job_id: str, step: int) -> str:
+    """``<job>/steps/<step>/commit.json``: the step's global commit record in a tier."""
+    return f"{step_key(job_id, step)}/{COMMIT_NAME}"
+
+
+def incarnations_prefix(job_id: str) -> str:
+    """``<job>/incarnations``: one record per incarnation of the job."""
+    return f"{job_id}/incarnations"
+
+
+def incarnation_key(job_id: str, incarnation: str) -> str:
+    """``<job>/incarnations/<id>.json``; ``ValueError`` for an id that is not a safe name."""
+    if not INCARNATION_ID_RE.match(incarnation):
+        raise ValueError(f"incarnation id {incarnation!r} is not 1-64 characters of [0-9A-Za-z._-]")
+    return f"{incarnations_prefix(job_id)}/{incarnation}{INCARNATION_SUFFIX}"
+
+
+def parse_incarnation_name(name: str) -> str | None:
+    """``'20261201T021700Z-1a2b3c4d.json'`` -> the id; anything else -> None."""
+    if not name.endswith(INCARNATION_SUFFIX):
+        return None
+    stem = name[: -len(INCARNATION_SUFFIX)]
+    return stem if INCARNATION_ID_RE.match(stem) else None
 
 
 def parse_step(name: str) -> int | None:

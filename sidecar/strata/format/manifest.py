@@ -23,7 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from strata.errors import ManifestError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version of every Strata record (shard manifest, commit record, incarnation record).
+
+2: manifests carry ``incarnation``; steps get a global commit record (issue 12, with the
+optional fields of issues 11/13/16/18 added under the same number)."""
 ALIGN = 64
 """Byte alignment of each storage in the data object (cache line; keeps copies vectorised)."""
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
@@ -61,6 +65,10 @@ class Manifest(BaseModel):
     rank: Annotated[int, Field(ge=0)]
     world_size: Annotated[int, Field(ge=1)]
     writer_id: str
+    incarnation: str = ""
+    """Id of the incarnation of the job that wrote this shard (:mod:`strata.format.incarnation`);
+    ``""`` only for shards written outside any incarnation (tools, tests). Shards of different
+    incarnations are never one step."""
     created: datetime = Field(default_factory=lambda: datetime.now(UTC))
     tree: Any
     """The state tree with tensors replaced by ``{"__tensor__": index}`` (see strata.format.codec)."""
