@@ -11,6 +11,10 @@
     The control plane (kopf operator); imported dynamically so the data plane never imports it.
 ``strata version``
     Print the version.
+
+Operator's tools on tier locations (no cluster needed; :mod:`strata.cli.tools`):
+``strata list``, ``strata plan``, ``strata verify``, ``strata inspect``, ``strata export``;
+``strata <command> --help`` describes each and the exit codes.
 """
 
 from __future__ import annotations
@@ -24,8 +28,13 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
+    from strata.cli.tools import EXIT_CODES
+
     parser = argparse.ArgumentParser(
-        prog="strata", description="Multi-tier checkpointing for PyTorch"
+        prog="strata",
+        description="Multi-tier checkpointing for PyTorch",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     side = sub.add_parser("sidecar", help="run the checkpoint sidecar (configured by environment)")
@@ -39,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     op = sub.add_parser("operator", help="run the Strata operator", add_help=False)
     op.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("version", help="print the version")
+    from strata.cli.tools import add_tool_parsers
+
+    add_tool_parsers(sub)
     return parser
 
 
@@ -80,8 +92,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from strata.sidecar.main import run_sidecar
 
         return run_sidecar(log_level=args.log_level)
-    raise AssertionError(args.command)
+    from strata.cli.tools import run_tool
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return run_tool(args)
