@@ -42,7 +42,6 @@ without a sidecar the client reaches every tier directly (RAM and PVC as directo
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -53,10 +52,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from strata.client.loader import load_shard
 from strata.client.saver import Saver
 from strata.config import StrataConfig
-from strata.errors import ConfigError, RestoreError, StageError
-from strata.format import codec
+from strata.errors import ConfigError, RestoreError, ShardCorrupt, StageError, TierError
 from strata.protocol import ClientEvent, RestoreEvent
 from strata.restore import (
     RankInventory,
@@ -106,8 +105,12 @@ class LocalStager:
     """:class:`Stager` over tier objects in this process (no sidecar).
 
     A shard served by a tier other than RAM is copied into a RAM slot (from ``slot_provider``)
-    and committed in the RAM tier, so the next restore is a RAM hit.
+    and committed in the RAM tier, so the next restore is a RAM hit. A RAM hit is NOT verified
+    here: the client verifies it while loading it (``defers_in_place_verify``; one pass over
+    the bytes, :mod:`strata.client.loader`).
     """
+
+    defers_in_place_verify = True
 
     def __init__(
         self,
@@ -145,6 +148,7 @@ class LocalStager:
             world_size=world_size,
             verify=self.verify,
             sources=sources,
+            verify_in_place=False,
         )
 
     def report(self, event: ClientEvent) -> None:
@@ -370,6 +374,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         excluded: list[int] = []
+        clobbered = False
         self._restore_tiers()
         notes: list[str] = list(self._tier_notes)
         if self.world_size > 1 and self._dist() is None:
@@ -414,7 +419,24 @@ class Checkpointer:
             for note in res.skipped:
                 if note not in notes:
                     notes.append(note)
-            tree = self._load(state, plan.step)
+            try:
+                tree, load_err = self._load(state, plan.step, res.tier, notes), None
+            except ShardCorrupt as exc:
+                tree, load_err, clobbered = None, f"{res.tier}: {exc}", True
+                notes.append(f"{load_err} (quarantined)")
+                try:
+                    self.ram.quarantine(self.job_id, plan.step, self.rank, str(exc))
+                except TierError as qexc:
+                    notes.append(f"ram: quarantine failed: {qexc}")
+            if any(self._gather(load_err is not None)):
+                # A copy failed verification while loading (here or on another rank): every
+                # rank plans again; the quarantined copy is no longer listed.
+                log.warning(
+                    "strata restore: step %d failed to load (%s); re-planning",
+                    plan.step,
+                    load_err or "on another rank",
+                )
+                continue
             result = RestoreResult(
                 step=plan.step,
                 tiers={r: t for r, t in enumerate(outcomes)}
@@ -439,6 +461,16 @@ class Checkpointer:
         searched = ", ".join(
             f"{t}={self._tier_location(t)}" for t in self.config.tiers_in_restore_order()
         )
+        if self.config.restore.allow_fresh_start and clobbered:
+            self._report_restore(
+                RestoreResult(None, {}, 0, time.perf_counter() - t0, notes), "failed"
+            )
+            raise RestoreError(
+                f"no verifying copy of job {self.job_id!r} is left, and a corrupt copy was "
+                "partly loaded into the live state before its checksum failed, so a fresh start "
+                "would train from mixed weights: re-create the model and optimizer and call "
+                f"restore() again (notes: {'; '.join(notes)})"
+            )
         if self.config.restore.allow_fresh_start:
             log.warning(
                 "strata: NO restorable checkpoint for job %s (searched %s); starting from scratch "
@@ -486,26 +518,33 @@ class Checkpointer:
             return f"gs://{self.config.gcs.bucket}/{self.config.gcs.prefix}"
         return "?"
 
-    def _load(self, state: Any, step: int) -> Any:
+    def _load(self, state: Any, step: int, tier: str, notes: list[str]) -> Any:
+        """Load this rank's staged RAM shard of ``step`` into ``state`` (one pass: verify while
+        copying when the stager left a RAM hit unverified; :mod:`strata.client.loader`).
+        Raises :class:`ShardCorrupt` (the live state is then partly overwritten)."""
+        deferred = tier == self.ram.name and getattr(self.stager, "defers_in_place_verify", False)
         with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
             m = lease.manifest
             assert m is not None
-            if m.data_nbytes == 0:
-                return codec.load_into(state, m, bytearray(), where=str(lease.path))
-            with open(lease.path, "rb") as f:
-                mm = mmap.mmap(
-                    f.fileno(),
-                    m.data_nbytes,
-                    flags=mmap.MAP_PRIVATE,
-                    prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            verify = deferred and self.config.restore.verify and m.verified
+            out = load_shard(
+                state,
+                m,
+                lease.path,
+                pool=self.saver.copy_pool,
+                workers=self.saver.copy_threads,
+                verify=verify,
+            )
+            if deferred and not m.verified and m.data_nbytes:
+                self.ram.update_checksums(
+                    self.job_id, step, self.rank, out.chunk_crc32c, out.crc32c
                 )
-            try:
-                return codec.load_into(state, m, mm, where=str(lease.path))
-            finally:
-                try:
-                    mm.close()
-                except BufferError:
-                    log.debug("restore buffer still referenced; left to the garbage collector")
+                notes.append(
+                    f"ram: step {step} rank {self.rank} had no checksums yet (its writer stopped "
+                    "before the checksum pass); checksummed now, not verified against an "
+                    "earlier record"
+                )
+            return out.tree
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -69,7 +69,9 @@ class Saver:
         self.raise_on_error = raise_on_error
         self.chunk_size = DEFAULT_CHUNK_SIZE
         self._maps = SlotMaps()
-        self._copy_pool = ThreadPoolExecutor(max(1, copy_threads), thread_name_prefix="strata-copy")
+        self.copy_threads = max(1, copy_threads)
+        self.copy_pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="strata-copy")
+        """The copy threads (saves; restores use them too: training waits for both)."""
         self._pending: list[Future[None]] = []
         self._pending_lock = threading.Lock()
         self._last_save_time: float | None = None
@@ -147,7 +149,7 @@ class Saver:
             mm = self._maps.get(slot)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             try:
-                codec.write_data(enc, dst, pool=self._copy_pool)
+                codec.write_data(enc, dst, pool=self.copy_pool)
             finally:
                 del dst
             manifest = enc.manifest(
@@ -186,5 +188,5 @@ class Saver:
     def close(self) -> None:
         """Stop the copy threads and unmap the slots (after :meth:`wait`; the caller owns
         ``background``)."""
-        self._copy_pool.shutdown(wait=True)
+        self.copy_pool.shutdown(wait=True)
         self._maps.close()

@@ -59,7 +59,7 @@ import ctypes
 import math
 import mmap
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +77,8 @@ _MIN_TASK_BYTES = 1024 * 1024
 """Bytes per copy task: big storages are split so several threads share one copy."""
 
 Buffer = bytearray | memoryview | mmap.mmap
+TensorSink = Callable[[TensorEntry, StorageEntry, torch.Tensor], bool]
+"""See :func:`load_into`."""
 
 
 def _np() -> Any:
@@ -119,6 +121,8 @@ class EncodedState:
     sources: list[torch.Tensor]
     """Per storage, a 1-D uint8 tensor over its bytes (on the tensor's device)."""
     data_nbytes: int
+    live: list[torch.Tensor] = field(default_factory=list)
+    """The tensors encoded (their ``_version`` counters tell whether one changed since)."""
 
     def manifest(
         self,
@@ -337,6 +341,7 @@ def encode(state: Any, root: str = "state") -> EncodedState:
         storages=enc.storages,
         sources=enc.sources,
         data_nbytes=enc.nbytes,
+        live=enc.keep_alive,
     )
 
 
@@ -481,6 +486,8 @@ class _Decoder:
         self._owned: dict[int, torch.UntypedStorage] = {}
         self._new: dict[int, torch.Tensor] = {}
         self._np = _np()
+        self.sink: TensorSink | None = None
+        self.flush: Callable[[], None] | None = None
 
     # tensors -----------------------------------------------------------------------------------
     def _check_entry(self, idx: int) -> tuple[TensorEntry, StorageEntry, torch.dtype]:
@@ -644,9 +651,21 @@ def load(manifest: Manifest, data: Buffer | bytes | torch.Tensor, where: str = "
 
 
 def load_into(
-    state: Any, manifest: Manifest, data: Buffer | bytes | torch.Tensor, where: str = "shard"
+    state: Any,
+    manifest: Manifest,
+    data: Buffer | bytes | torch.Tensor,
+    where: str = "shard",
+    *,
+    sink: TensorSink | None = None,
+    flush: Callable[[], None] | None = None,
 ) -> Any:
     """Load the saved tree into the live ``state`` in place; return the loaded tree.
+
+    ``sink(tensor_entry, storage_entry, live)``: offered every saved tensor whose live
+    counterpart has its dtype and shape (entries validated against the data); True means the
+    sink copies it (later, e.g. in one parallel pass: :mod:`strata.client.loader`) and the codec
+    does not. ``flush()``: called before each live ``load_state_dict`` and must finish the
+    sink's pending copies.
 
     - A saved tensor whose live counterpart (same path) is a tensor is copied into it in place
       (``torch.no_grad``; any device); dtype or shape differences raise :class:`CodecError`
@@ -658,6 +677,7 @@ def load_into(
     The returned tree holds the live objects where they were updated in place.
     """
     dec = _Decoder(manifest, data, where)
+    dec.sink, dec.flush = sink, flush
     with torch.no_grad():
         return _into(dec, manifest.tree, state, "state")
 
@@ -665,12 +685,19 @@ def load_into(
 def _into(dec: _Decoder, node: Any, live: Any, path: str) -> Any:
     if _is_stateful(live) and not isinstance(live, (dict, list, torch.Tensor)):
         loaded = _into(dec, node, live.state_dict(), path)
+        if dec.flush is not None:
+            dec.flush()
         live.load_state_dict(loaded)
         return live
     if isinstance(node, dict) and node:
         tag = next(iter(node))
         if tag == TENSOR_TAG and isinstance(live, torch.Tensor):
-            src = dec.view(int(node[TENSOR_TAG]))
+            idx = int(node[TENSOR_TAG])
+            if dec.sink is not None:
+                te, se, dt = dec._check_entry(idx)
+                if dt == live.dtype and list(live.shape) == te.shape and dec.sink(te, se, live):
+                    return live
+            src = dec.view(idx)
             if src.dtype != live.dtype or src.shape != live.shape:
                 raise CodecError(
                     f"{dec.where}: the checkpoint holds {_dtype_name(src.dtype)}{list(src.shape)} "

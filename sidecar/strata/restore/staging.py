@@ -51,8 +51,12 @@ def stage_shard(
     *,
     world_size: int | None = None,
     verify: bool = True,
+    verify_in_place: bool | None = None,
 ) -> StageResult:
     """Get rank ``rank``'s shard of ``step`` from the nearest tier of ``tiers`` that verifies.
+
+    ``verify_in_place``: whether a shard served in place is verified here (None: ``verify``);
+    False when the caller verifies it while loading it (:mod:`strata.client.loader`: one pass).
 
     - a tier that serves in place (:meth:`Tier.read_in_place`; the RAM tier) is verified where
       it lies (a shard whose writer died before its checksum pass is checksummed now; noted in
@@ -70,7 +74,13 @@ def stage_shard(
     for tier in tiers:
         t0 = time.perf_counter()
         try:
-            hit = tier.read_in_place(job_id, step, rank, world_size=world_size, verify=verify)
+            hit = tier.read_in_place(
+                job_id,
+                step,
+                rank,
+                world_size=world_size,
+                verify=verify if verify_in_place is None else verify_in_place,
+            )
             if hit is not None:
                 m, path = hit.manifest, hit.path
                 skipped.extend(hit.notes)
@@ -123,6 +133,7 @@ def stage_into_ram(
     verify: bool = True,
     sources: Sequence[str] | None = None,
     before_allocate: Callable[[int], None] | None = None,
+    verify_in_place: bool | None = None,
 ) -> StageResult:
     """Put rank ``rank``'s shard of ``step`` into the RAM tier ``ram``, committed there.
 
@@ -130,7 +141,8 @@ def stage_into_ram(
     this rank; None: all). A shard another tier serves is copied into a slot from ``slots``
     (held under :class:`SlotWriteLock` while it is written and committed, released after).
     ``before_allocate(nbytes)``: called before a slot is taken (the sidecar refuses a slot ring
-    that would not fit its size limit there). The result's ``path`` is the RAM data file.
+    that would not fit its size limit there). ``verify_in_place``: see :func:`stage_shard`.
+    The result's ``path`` is the RAM data file.
     Raises :class:`StageError` when no tier serves, :class:`TierError` (e.g. ``TierFull``,
     ``SlotsBusy``) when the RAM tier cannot take the copy.
     """
@@ -146,7 +158,14 @@ def stage_into_ram(
     try:
         chosen = [t for t in tiers if sources is None or t.name in sources]
         res = stage_shard(
-            chosen, job_id, step, rank, slot_for, world_size=world_size, verify=verify
+            chosen,
+            job_id,
+            step,
+            rank,
+            slot_for,
+            world_size=world_size,
+            verify=verify,
+            verify_in_place=verify_in_place,
         )
         if res.tier != ram.name:
             ram.commit_slot(job_id, step, rank, res.path, res.manifest)

@@ -1,0 +1,231 @@
+"""Restore at memory bandwidth: one pass over a RAM shard that verifies and loads it.
+
+:func:`load_shard` loads a committed RAM shard (a tmpfs file) into the live state in place.
+The old path read every byte twice (a CRC32C pass when staging, then one ``Tensor.copy_`` per
+tensor from a ``MAP_PRIVATE`` mapping, a page fault per 4 KiB on first touch). Here:
+
+- the shard is mapped once ``MAP_SHARED | MAP_POPULATE`` read-only (page table filled in one
+  call, no fault per page, nothing copied);
+- the codec walks the tree (:func:`strata.format.codec.load_into`) and hands every saved tensor
+  whose live counterpart is a contiguous CPU tensor of the same dtype and shape to this module
+  (a *fast* tensor) instead of copying it; everything else (views, other devices) the codec
+  copies itself as before;
+- the fast copies run across the copy threads, grouped by checksum chunk: each thread takes a
+  run of chunks and, per block of :data:`BLOCK` bytes, extends the chunk's CRC32C over the block
+  and ``memmove``\\ s the block's pieces into the live tensors while the block is in cache (both
+  ctypes calls release the GIL). Chunks no fast tensor touches are only checksummed. One read of
+  the shard from memory, no second pass.
+
+Ordering: the copies are deferred until the walk reaches a live ``state_dict()`` owner (its
+``load_state_dict`` must see the loaded values: the pending copies are flushed first) or its end.
+
+Verification contract: bytes are copied into the live tensors *before* the whole shard is known
+good (that is the one pass). When a chunk's CRC32C differs from the manifest,
+:class:`strata.errors.ShardCorrupt` is raised after the pass: the live state is then partly
+overwritten and the caller must load another copy (``Checkpointer.restore`` quarantines this one
+and re-plans; it refuses a fresh start over a partly overwritten state). A shard without
+checksums yet (its writer stopped before the checksum pass) is checksummed in the same pass and
+the CRCs are returned so the caller can record them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+
+from strata.errors import ShardCorrupt
+from strata.format import codec, crc
+from strata.format.manifest import Manifest, StorageEntry, TensorEntry
+
+BLOCK = 512 * 1024
+"""Bytes checksummed then copied out together (stays in L2/L3 between the two reads)."""
+
+
+@dataclass
+class LoadOutcome:
+    """What :func:`load_shard` did: the loaded tree, and the shard's CRCs as computed."""
+
+    tree: Any
+    chunk_crc32c: list[int]
+    crc32c: int
+    fast_bytes: int
+    """Bytes copied by the one-pass path (the rest went through ``Tensor.copy_``)."""
+
+
+def _crc_at(addr: int, n: int, value: int) -> int:
+    lib = crc._LIB
+    if lib is not None:
+        return int(lib.crc32c_extend(value, addr, n))
+    return crc.crc32c(ctypes.string_at(addr, n), value)  # pragma: no cover - no libcrc32c
+
+
+class _OnePass:
+    """Collects fast tensors during the codec walk and runs the chunked verify+copy pass."""
+
+    def __init__(self, manifest: Manifest, base: int, pool: Executor | None, workers: int) -> None:
+        self.m = manifest
+        self.base = base
+        self.pool = pool
+        self.workers = max(1, workers)
+        self.chunk = manifest.chunk_size
+        self.nchunks = crc.n_chunks(manifest.data_nbytes, self.chunk)
+        self.crcs: list[int | None] = [None] * self.nchunks
+        self.pending: list[tuple[int, int, int]] = []  # (src offset, dst address, nbytes)
+        self.fast_bytes = 0
+
+    # -- the codec's hooks ----------------------------------------------------------------------
+    def sink(self, te: TensorEntry, se: StorageEntry, live: torch.Tensor) -> bool:
+        """Take a saved tensor (entries checked by the codec, same dtype and shape as ``live``)
+        when it can be copied as raw bytes: ``live`` a contiguous CPU tensor, the saved view
+        contiguous too."""
+        if live.device.type != "cpu" or not live.is_contiguous():
+            return False
+        if te.stride != _contiguous_stride(te.shape):
+            return False
+        itemsize = live.element_size()
+        n = live.numel() * itemsize
+        if n:
+            self.pending.append((se.offset + te.storage_offset * itemsize, live.data_ptr(), n))
+            self.fast_bytes += n
+        return True
+
+    def flush(self) -> None:
+        """Run the pass over the chunks the pending copies touch (and copy them)."""
+        if not self.pending:
+            return
+        by_chunk: dict[int, list[tuple[int, int, int]]] = {}
+        for off, dst, n in self.pending:
+            while n > 0:
+                k = off // self.chunk
+                take = min(n, (k + 1) * self.chunk - off)
+                by_chunk.setdefault(k, []).append((off, dst, take))
+                off, dst, n = off + take, dst + take, n - take
+        self.pending = []
+        self._run(sorted(by_chunk.items()))
+
+    def finish(self) -> tuple[list[int], int]:
+        """Flush, then checksum the chunks no copy touched; (chunk CRCs, whole-object CRC)."""
+        self.flush()
+        self._run([(k, []) for k, c in enumerate(self.crcs) if c is None])
+        crcs = [int(c) for c in self.crcs if c is not None]
+        whole = crc.combine_chunks(crcs, self.m.data_nbytes, self.chunk) if crcs else 0
+        return crcs, whole
+
+    # -- the pass -------------------------------------------------------------------------------
+    def _run(self, work: list[tuple[int, list[tuple[int, int, int]]]]) -> None:
+        if not work:
+            return
+        if self.pool is None or self.workers == 1 or len(work) == 1:
+            self._chunks(work)
+            return
+        share = -(-len(work) // self.workers)
+        groups = [work[i : i + share] for i in range(0, len(work), share)]
+        futures = [self.pool.submit(self._chunks, g) for g in groups[1:]]
+        self._chunks(groups[0])  # the calling thread works too
+        for fut in futures:
+            fut.result()
+
+    def _chunks(self, work: list[tuple[int, list[tuple[int, int, int]]]]) -> None:
+        move, base, size, total = ctypes.memmove, self.base, self.chunk, self.m.data_nbytes
+        for k, pieces in work:
+            start = k * size
+            stop = min(start + size, total)
+            value = self.crcs[k]
+            if value is not None:  # verified by an earlier flush: copy only
+                for off, dst, n in pieces:
+                    move(dst, base + off, n)
+                continue
+            value = 0
+            i = 0
+            for b in range(start, stop, BLOCK):
+                e = min(b + BLOCK, stop)
+                value = _crc_at(base + b, e - b, value)
+                while i < len(pieces) and pieces[i][0] < e:
+                    off, dst, n = pieces[i]
+                    if off + n > e:  # the piece goes on in the next block
+                        take = e - off
+                        move(dst, base + off, take)
+                        pieces[i] = (e, dst + take, n - take)
+                        break
+                    move(dst, base + off, n)
+                    i += 1
+            self.crcs[k] = value
+
+
+def _contiguous_stride(shape: list[int]) -> list[int]:
+    out = [1] * len(shape)
+    acc = 1
+    for d in range(len(shape) - 1, -1, -1):
+        out[d] = acc
+        acc *= max(shape[d], 1)
+    return out
+
+
+def load_shard(
+    state: Any,
+    manifest: Manifest,
+    path: Path,
+    *,
+    pool: Executor | None,
+    workers: int,
+    verify: bool,
+) -> LoadOutcome:
+    """Load the shard at ``path`` (its data file, ``manifest.data_nbytes`` bytes) into ``state``.
+
+    ``pool``/``workers``: the threads sharing the pass (the calling thread works too).
+    ``verify``: compare every chunk's CRC32C with the manifest (which must have them); when
+    False the CRCs are still computed and returned. Raises :class:`ShardCorrupt` (a CRC32C
+    mismatch, a truncated file: the live state is then partly overwritten, see the module
+    docstring) and :class:`strata.format.codec.CodecError` (the checkpoint does not fit the live
+    state).
+    """
+    n = manifest.data_nbytes
+    if n == 0:
+        tree = codec.load_into(state, manifest, bytearray(), where=str(path))
+        return LoadOutcome(tree, [], 0, 0)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < n:
+            raise ShardCorrupt(f"{path} holds {size} bytes, the manifest records {n} (truncated)")
+        shared = mmap.mmap(
+            f.fileno(), n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
+        )
+        # The codec's own copies (views, other devices) need a torch tensor over the bytes, and
+        # torch refuses read-only buffers: a private writable mapping, faulted only where read.
+        private = mmap.mmap(
+            f.fileno(), n, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    arr = numpy.frombuffer(shared, dtype=numpy.uint8)
+    try:
+        one = _OnePass(manifest, int(arr.ctypes.data), pool, workers)
+        tree = codec.load_into(
+            state, manifest, private, where=str(path), sink=one.sink, flush=one.flush
+        )
+        crcs, whole = one.finish()
+    finally:
+        del arr
+        for mm in (shared, private):
+            with contextlib.suppress(BufferError):  # a tensor still views it: the GC unmaps it
+                mm.close()
+    if verify:
+        bad = crc.first_bad_chunk(crcs, manifest.chunk_crc32c or [])
+        if bad is not None or whole != manifest.crc32c:
+            at = (
+                f" in chunk {bad} (from byte {bad * manifest.chunk_size})"
+                if bad is not None
+                else ""
+            )
+            raise ShardCorrupt(
+                f"{path}: CRC32C mismatch{at} against its manifest; the copy is corrupt, "
+                "quarantine it and restore from another tier"
+            )
+    return LoadOutcome(tree, crcs, whole, one.fast_bytes)

@@ -1,0 +1,147 @@
+"""Restore at bandwidth (issue 14): one pass that verifies a RAM shard while loading it in place."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from strata.client import Checkpointer, RestoreError
+from strata.client.loader import load_shard
+from strata.errors import ShardCorrupt
+from strata.format import crc
+
+pytestmark = pytest.mark.integration
+JOB = "ns.load"
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(3 * 1024 * 1024 // 4 + 17, generator=g)  # 3 MiB: crosses a chunk edge
+    huge = torch.randn(9 * 1024 * 1024 // 4 + 5, generator=g)  # 9 MiB: three chunks
+    base = torch.randn(64, 32, generator=g)
+    model = torch.nn.Linear(32, 8)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(8, 32, generator=g))
+    return {
+        "big": big,
+        "huge": huge,
+        "bf16": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "ints": torch.randint(0, 1 << 30, (513,), generator=g, dtype=torch.int64),
+        "base": base,
+        "transposed": base.t(),  # a non-contiguous view of the same storage
+        "row": base[3],  # a contiguous view at an offset
+        "empty": torch.empty(0, 4),
+        "model": model,
+        "many": [torch.randn(37, generator=g) for _ in range(300)],
+        "step": seed,
+    }
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for k in ("big", "huge", "bf16", "ints", "base", "transposed", "row", "empty"):
+        assert torch.equal(a[k], b[k]), k
+    for x, y in zip(a["many"], b["many"], strict=True):
+        assert torch.equal(x, y)
+    assert torch.equal(a["model"].weight, b["model"].weight)
+    assert torch.equal(a["model"].bias, b["model"].bias)
+
+
+def test_one_pass_restores_every_byte_into_the_live_tensors(shm_dir: Path) -> None:
+    saved = _state(1)
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1, copy_threads=3) as c:
+        assert c.save(5, saved)
+        c.wait()
+        live = _state(2)
+        ids = {k: id(v) for k, v in live.items() if k != "step"}
+        weight = live["model"].weight
+        res = c.restore(live)
+    assert res.step == 5 and res.tier == "ram"
+    _same(live, saved)
+    assert {k: id(v) for k, v in live.items() if k != "step"} == ids  # loaded in place
+    assert live["step"] == 1
+    assert live["model"].weight is weight
+    # the views still share the live storage after the load
+    assert live["transposed"].data_ptr() == live["base"].data_ptr()
+
+
+def test_the_pass_computes_the_manifest_crcs_and_copies_by_bytes(shm_dir: Path) -> None:
+    saved = _state(3)
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
+        assert c.save(1, saved)
+        c.wait()
+        m = c.ram.get_manifest(JOB, 1, 0)
+        path = c.ram.data_path(JOB, 1, 0)
+    live = _state(4)
+    with ThreadPoolExecutor(3) as pool:
+        out = load_shard(live, m, path, pool=pool, workers=4, verify=True)
+    _same(live, saved)
+    assert out.chunk_crc32c == m.chunk_crc32c and out.crc32c == m.crc32c
+    # everything but the transposed view (and the empty tensor) went through the one pass
+    assert (
+        out.fast_bytes
+        == sum(
+            t.numel() * t.element_size()
+            for k, t in saved.items()
+            if isinstance(t, torch.Tensor) and k != "transposed"
+        )
+        + sum(t.numel() * 4 for t in saved["many"])
+        + (8 * 32 + 8) * 4
+    )
+
+
+def test_a_flipped_byte_is_named_and_refused(shm_dir: Path) -> None:
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
+        assert c.save(1, _state(5))
+        c.wait()
+        m = c.ram.get_manifest(JOB, 1, 0)
+        path = c.ram.data_path(JOB, 1, 0)
+    at = 4 * 1024 * 1024 + 123  # inside chunk 1
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(ShardCorrupt, match="chunk 1 "):
+        load_shard(_state(6), m, path, pool=None, workers=1, verify=True)
+    # without verification the pass still returns the CRCs of what it read
+    out = load_shard(_state(6), m, path, pool=None, workers=1, verify=False)
+    assert out.chunk_crc32c == crc.file_chunk_crcs(path, m.data_nbytes, m.chunk_size)[0]
+    assert out.chunk_crc32c[1] != (m.chunk_crc32c or [])[1]
+
+
+def test_a_corrupt_ram_copy_partly_loaded_refuses_a_fresh_start(shm_dir: Path) -> None:
+    ram = shm_dir / "ram"
+    with Checkpointer(job_id=JOB, ram_dir=ram, rank=0, world_size=1) as c:
+        assert c.save(1, _state(7))
+        c.wait()
+        path = c.ram.data_path(JOB, 1, 0)
+    with open(path, "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff\xfe")
+    with (
+        Checkpointer(job_id=JOB, ram_dir=ram, rank=0, world_size=1, allow_fresh_start=True) as c,
+        pytest.raises(RestoreError, match="partly loaded"),
+    ):
+        c.restore(_state(8))
+    assert any(".quarantined-" in n for n in os.listdir(path.parent))
+
+
+def test_a_shard_without_checksums_is_checksummed_by_the_load(shm_dir: Path) -> None:
+    saved = _state(9)
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
+        assert c.save(2, saved)
+        c.wait()
+        m = c.ram.get_manifest(JOB, 2, 0)
+        # as if the writer died before its checksum pass
+        c.ram.write_manifest(JOB, 2, 0, m.model_copy(update={"chunk_crc32c": None, "crc32c": None}))
+        live = _state(10)
+        res = c.restore(live)
+        assert any("had no checksums yet" in n for n in res.skipped)
+        sealed = c.ram.get_manifest(JOB, 2, 0)
+    _same(live, saved)
+    assert sealed.chunk_crc32c == m.chunk_crc32c and sealed.crc32c == m.crc32c
