@@ -31,6 +31,7 @@ from tests.fixtures.policies import InvalidCase, PolicyBuilder, invalid_policies
 from e2e.cluster import LOOPBACK_NO_PROXY, ClusterError, LocalCluster, free_port
 from strata_operator import api, crdgen
 from strata_operator import conditions as c
+from strata_operator import constants as k
 
 pytestmark = pytest.mark.e2e
 
@@ -239,7 +240,7 @@ def wait_ready(
 ) -> Obj:
     def probe() -> Obj | None:
         policy = get_policy(kube, namespace, name)
-        ready = condition(policy, c.READY)
+        ready = condition(policy, k.READY)
         gen = generation or policy["metadata"]["generation"]
         if (
             ready is not None
@@ -330,11 +331,11 @@ def test_valid_policies_become_ready_with_the_expected_status(
     create_policy(kube, PolicyBuilder("ram-only", ns).obj())
 
     policy = wait_ready(kube, ns, "full")
-    ready, degraded = condition(policy, c.READY), condition(policy, c.DEGRADED)
+    ready, degraded = condition(policy, k.READY), condition(policy, k.DEGRADED)
     assert ready is not None and degraded is not None
-    assert (ready["reason"], ready["observedGeneration"]) == (c.REASON_RECONCILED, 1)
+    assert (ready["reason"], ready["observedGeneration"]) == (k.REASON_RECONCILED, 1)
     assert "tiers: ram, pvc, gcs" in ready["message"]
-    assert (degraded["status"], degraded["reason"]) == ("False", c.REASON_AS_EXPECTED)
+    assert (degraded["status"], degraded["reason"]) == ("False", k.REASON_AS_EXPECTED)
     assert policy["status"]["observedGeneration"] == 1
     # apiserver defaults from the CRD
     assert policy["spec"]["tiers"]["ram"]["medium"] == "Memory"
@@ -352,7 +353,7 @@ def test_valid_policies_become_ready_with_the_expected_status(
     )
 
     ram_only = wait_ready(kube, ns, "ram-only")
-    assert "tiers: ram" in (condition(ram_only, c.READY) or {})["message"]
+    assert "tiers: ram" in (condition(ram_only, k.READY) or {})["message"]
 
     # Events are posted after the status patch: the Ready event exists once Ready is set.
     events = wait_for(
@@ -440,22 +441,22 @@ def test_policies_the_schema_cannot_judge_are_not_ready_with_what_to_fix(
     try:
         create_pvc(kube, ns, "rwo", mode="ReadWriteOnce")
         cases: list[tuple[Obj, str, str]] = [
-            (PolicyBuilder("no-pvc", ns).pvc("missing").obj(), c.REASON_PVC_NOT_FOUND, "'missing'"),
+            (PolicyBuilder("no-pvc", ns).pvc("missing").obj(), k.REASON_PVC_NOT_FOUND, "'missing'"),
             (
                 PolicyBuilder("no-bucket", ns).gcs("strata-no-such-bucket").obj(),
-                c.REASON_BUCKET_NOT_FOUND,
+                k.REASON_BUCKET_NOT_FOUND,
                 "gs://strata-no-such-bucket",
             ),
             (
                 PolicyBuilder("no-secret", ns)
                 .gcs(gcs_bucket, credentials={"type": "SecretRef", "secretRef": {"name": "sa"}})
                 .obj(),
-                c.REASON_SECRET_NOT_FOUND,
+                k.REASON_SECRET_NOT_FOUND,
                 "Secret 'sa'",
             ),
             (
                 PolicyBuilder("host-path", restricted).ram(medium="HostPath").obj(),
-                c.REASON_HOST_PATH_FORBIDDEN,
+                k.REASON_HOST_PATH_FORBIDDEN,
                 "medium: Memory",
             ),
         ]
@@ -464,7 +465,7 @@ def test_policies_the_schema_cannot_judge_are_not_ready_with_what_to_fix(
         for body, reason, fix in cases:
             meta = body["metadata"]
             policy = wait_ready(kube, meta["namespace"], meta["name"], status="False")
-            ready = condition(policy, c.READY)
+            ready = condition(policy, k.READY)
             assert ready is not None and ready["reason"] == reason, ready
             assert fix in ready["message"]
             warnings = wait_for(
@@ -478,12 +479,12 @@ def test_policies_the_schema_cannot_judge_are_not_ready_with_what_to_fix(
         # A PVC that is not ReadWriteMany works for one pod: Ready, but Degraded says why.
         create_policy(kube, PolicyBuilder("rwo", ns).pvc("rwo").obj())
         policy = wait_ready(kube, ns, "rwo")
-        degraded = condition(policy, c.DEGRADED)
-        assert degraded is not None and degraded["reason"] == c.REASON_PVC_NOT_SHARED
+        degraded = condition(policy, k.DEGRADED)
+        assert degraded is not None and degraded["reason"] == k.REASON_PVC_NOT_SHARED
 
         # The operator retried the missing PVC every second meanwhile, but said it once.
         no_pvc_events = events_for(kube, ns, "no-pvc")
-        assert [e["reason"] for e in no_pvc_events] == [c.REASON_PVC_NOT_FOUND]
+        assert [e["reason"] for e in no_pvc_events] == [k.REASON_PVC_NOT_FOUND]
 
         # Creating the missing PVC fixes the policy without touching it.
         create_pvc(kube, ns, "missing")
@@ -527,8 +528,8 @@ def test_invalid_policies_stored_under_a_looser_schema_are_not_ready_with_what_t
         op.start()
         for name, case in names.items():
             policy = wait_ready(kube, ns, name, status="False")
-            ready = condition(policy, c.READY)
-            assert ready is not None and ready["reason"] == c.REASON_INVALID_SPEC, (case.id, ready)
+            ready = condition(policy, k.READY)
+            assert ready is not None and ready["reason"] == k.REASON_INVALID_SPEC, (case.id, ready)
             assert case.expect.lower() in ready["message"].lower(), (case.id, ready["message"])
         assert op.alive() and op.errors() == []
     finally:
@@ -553,22 +554,22 @@ def test_update_bumps_observed_generation_and_conditions(
     ns = k8s_namespace
     create_pvc(kube, ns, "ckpt")
     create_policy(kube, PolicyBuilder("p", ns).pvc("ckpt").obj())
-    first = condition(wait_ready(kube, ns, "p", generation=1), c.READY)
+    first = condition(wait_ready(kube, ns, "p", generation=1), k.READY)
     assert first is not None
 
     patch_policy(kube, ns, "p", {"spec": {"tiers": {"pvc": {"claimName": "other"}}}})
-    broken = condition(wait_ready(kube, ns, "p", status="False", generation=2), c.READY)
-    assert broken is not None and broken["reason"] == c.REASON_PVC_NOT_FOUND
+    broken = condition(wait_ready(kube, ns, "p", status="False", generation=2), k.READY)
+    assert broken is not None and broken["reason"] == k.REASON_PVC_NOT_FOUND
     assert broken["observedGeneration"] == 2
     assert broken["lastTransitionTime"] >= first["lastTransitionTime"]
 
     patch_policy(kube, ns, "p", {"spec": {"tiers": {"pvc": {"claimName": "ckpt"}}}})
-    fixed = condition(wait_ready(kube, ns, "p", generation=3), c.READY)
-    assert fixed is not None and fixed["reason"] == c.REASON_RECONCILED
+    fixed = condition(wait_ready(kube, ns, "p", generation=3), k.READY)
+    assert fixed is not None and fixed["reason"] == k.REASON_RECONCILED
 
     # A change that keeps the policy Ready moves observedGeneration, not lastTransitionTime.
     patch_policy(kube, ns, "p", {"spec": {"tiers": {"pvc": {"keep": 5}}}})
-    same = condition(wait_ready(kube, ns, "p", generation=4), c.READY)
+    same = condition(wait_ready(kube, ns, "p", generation=4), k.READY)
     assert same is not None and same["observedGeneration"] == 4
     assert same["lastTransitionTime"] == fixed["lastTransitionTime"]
 
@@ -625,11 +626,11 @@ def test_operator_killed_mid_reconcile_converges_after_restart(
         wait_for("the operator's bucket check to reach GCS", hole.requests.is_set)
         op.kill()
         policy = get_policy(kube, ns, "p")
-        assert condition(policy, c.READY) is None, "the reconcile had not finished"
+        assert condition(policy, k.READY) is None, "the reconcile had not finished"
 
         op.start()  # the real emulator this time
         policy = wait_ready(kube, ns, "p", generation=1)
-        assert (condition(policy, c.READY) or {})["reason"] == c.REASON_RECONCILED
+        assert (condition(policy, k.READY) or {})["reason"] == k.REASON_RECONCILED
         assert_no_strata_finalizer_or_status_litter(policy)
         assert op.errors() == []
     finally:

@@ -5,7 +5,7 @@ stored objects with them; the webhook maps a parsed spec to the sidecar contract
 :func:`to_sidecar_config`. The Kubernetes JSON uses camelCase (``sizeLimit``); Python uses
 snake_case (``size_limit``); both are accepted on input (``populate_by_name``).
 
-Every cross-field rule exists twice, with the same message: as a CEL ``x-kubernetes-validations``
+Value rules live in :mod:`strata_operator.validation`. Every cross-field rule exists twice, with the same message: as a CEL ``x-kubernetes-validations``
 rule that the apiserver enforces on create/update, and as a pydantic validator that the operator
 applies to what is stored (objects written before a stricter CRD, or with validation bypassed).
 The messages say what to fix. :data:`RULES` holds both halves side by side.
@@ -25,21 +25,11 @@ Example::
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import datetime
-from decimal import ROUND_CEILING, Decimal
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    WithJsonSchema,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from strata.config import (
@@ -54,6 +44,24 @@ from strata.config import (
     RestoreConfig,
     StrataConfig,
     TierName,
+)
+from strata_operator.validation import (
+    EXTENDED_NEEDS_LIMIT_MESSAGE,
+    EXTENDED_NEEDS_LIMIT_RULE,
+    REQUEST_ABOVE_LIMIT_MESSAGE,
+    REQUEST_NOT_ABOVE_LIMIT_RULE,
+    BucketName,
+    Duration,
+    GcsPrefix,
+    HostPath,
+    ImageReference,
+    ObjectName,
+    RelativePath,
+    ResourceList,
+    SizeLimit,
+    check_requirements,
+    parse_duration,
+    quantity_bytes,
 )
 
 GROUP: Final = "strata.dev"
@@ -71,247 +79,6 @@ DEFAULT_METRICS_PORT: Final = 9464
 MAX_JOBS: Final = 32
 """Bound of ``status.jobs``; the oldest-updated job is dropped first (keeps the object small)."""
 MAX_CONDITIONS: Final = 8
-
-# --- Kubernetes quantity and Go duration ------------------------------------------------------
-
-QUANTITY_PATTERN: Final = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
-"""The pattern the apiserver's OpenAPI uses for ``resource.Quantity`` (k8s.io/apimachinery)."""
-_QUANTITY_RE = re.compile(QUANTITY_PATTERN)
-_SUFFIX: Final[dict[str, Decimal]] = {
-    "": Decimal(1),
-    "n": Decimal("1e-9"),
-    "u": Decimal("1e-6"),
-    "m": Decimal("1e-3"),
-    "k": Decimal(10) ** 3,
-    "M": Decimal(10) ** 6,
-    "G": Decimal(10) ** 9,
-    "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15,
-    "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10,
-    "Mi": Decimal(2) ** 20,
-    "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50,
-    "Ei": Decimal(2) ** 60,
-}
-
-DURATION_PATTERN: Final = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"
-"""Go ``time.ParseDuration`` syntax without sign (``90s``, ``15m``, ``1h30m``), as CEL's duration()."""
-_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|µs|ms|s|m|h)")
-_DURATION_UNIT: Final[dict[str, Decimal]] = {
-    "ns": Decimal("1e-9"),
-    "us": Decimal("1e-6"),
-    "µs": Decimal("1e-6"),
-    "ms": Decimal("1e-3"),
-    "s": Decimal(1),
-    "m": Decimal(60),
-    "h": Decimal(3600),
-}
-
-
-def parse_quantity(value: str) -> Decimal:
-    """Value of a Kubernetes quantity (``"16Gi"`` -> 17179869184); ValueError when malformed."""
-    text = value.strip()
-    if not _QUANTITY_RE.match(text):
-        raise ValueError(
-            f"{value!r} is not a Kubernetes quantity; write e.g. 512Mi, 16Gi or 1000000000"
-        )
-    match = re.match(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(.*)$", text)
-    assert match is not None  # the full pattern matched above
-    number, suffix = Decimal(match.group(1)), match.group(2)
-    if suffix[:1] in ("e", "E"):
-        return number * (Decimal(10) ** Decimal(suffix[1:]))
-    return number * _SUFFIX[suffix]
-
-
-def quantity_bytes(value: str) -> int:
-    """A quantity as whole bytes, rounded up (Kubernetes rounds memory quantities up too)."""
-    return int(parse_quantity(value).to_integral_value(rounding=ROUND_CEILING))
-
-
-def parse_duration(value: str) -> float:
-    """Seconds of a Go duration string (``"1h30m"`` -> 5400.0); ValueError when malformed."""
-    if not re.match(DURATION_PATTERN, value):
-        raise ValueError(f"{value!r} is not a duration; write e.g. 90s, 15m or 1h30m")
-    return float(sum(Decimal(n) * _DURATION_UNIT[u] for n, u in _DURATION_PART.findall(value)))
-
-
-def _check_quantity(value: str) -> str:
-    parse_quantity(value)
-    return value
-
-
-def _int_to_str(value: Any) -> Any:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    return value
-
-
-Quantity = Annotated[
-    str,
-    BeforeValidator(_int_to_str),
-    AfterValidator(_check_quantity),
-    WithJsonSchema(
-        {
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "pattern": QUANTITY_PATTERN,
-            "x-kubernetes-int-or-string": True,
-        }
-    ),
-]
-"""A Kubernetes quantity (``500m``, ``2Gi``, or an integer), as in ``resources.limits``."""
-
-
-def _check_size_limit(value: str) -> str:
-    if parse_quantity(value) < 1024 * 1024:
-        raise ValueError(
-            f"sizeLimit must be at least 1Mi (got {value!r}); size the RAM tier for the shards"
-        )
-    return value
-
-
-SizeLimit = Annotated[
-    str,
-    Field(max_length=64),
-    AfterValidator(_check_size_limit),
-    WithJsonSchema(
-        {
-            "type": "string",
-            "maxLength": 64,
-            "pattern": QUANTITY_PATTERN,
-            "x-kubernetes-validations": [
-                {
-                    "rule": "quantity(self).compareTo(quantity('1Mi')) >= 0",
-                    "message": "sizeLimit must be at least 1Mi; size the RAM tier for the shards",
-                }
-            ],
-        }
-    ),
-]
-
-
-def _check_duration(value: str) -> str:
-    if parse_duration(value) < 1:
-        raise ValueError(f"duration must be at least 1s (got {value!r}); write e.g. 30s, 15m or 1h")
-    return value
-
-
-Duration = Annotated[
-    str,
-    Field(max_length=32),
-    AfterValidator(_check_duration),
-    WithJsonSchema(
-        {
-            "type": "string",
-            "maxLength": 32,
-            "pattern": DURATION_PATTERN,
-            "x-kubernetes-validations": [
-                {
-                    "rule": "duration(self) >= duration('1s')",
-                    "message": "duration must be at least 1s; write e.g. 30s, 15m or 1h",
-                }
-            ],
-        }
-    ),
-]
-
-# --- GCS bucket names -------------------------------------------------------------------------
-
-BUCKET_PATTERN: Final = r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$"
-"""Characters and ends of a bucket name (https://cloud.google.com/storage/docs/buckets#naming)."""
-BUCKET_RULES: Final[tuple[tuple[str, str], ...]] = (
-    (
-        "!self.contains('.') ? size(self) <= 63 : !self.matches('[^.]{64}')",
-        "bucket names are at most 63 characters (222 with dots, each dot-separated part at most 63)",
-    ),
-    ("!self.startsWith('goog')", "bucket names cannot begin with 'goog'"),
-    (
-        "!self.matches('g[o0][o0]g[l1]e')",
-        "bucket names cannot contain 'google' or close misspellings",
-    ),
-    (
-        "!self.matches('^[0-9]{1,3}([.][0-9]{1,3}){3}$')",
-        "bucket names cannot be an IP address in dotted-decimal notation",
-    ),
-    (
-        "!self.contains('..') && !self.contains('.-') && !self.contains('-.')",
-        "bucket names cannot contain '..', '.-' or '-.' (dot-separated parts must be DNS labels)",
-    ),
-)
-
-
-def check_bucket_name(name: str) -> str:
-    """Return ``name`` when it is a valid GCS bucket name; ValueError naming the broken rule.
-
-    Mirrors :data:`BUCKET_PATTERN` and :data:`BUCKET_RULES` (what the apiserver checks).
-    """
-    problems: list[str] = []
-    if not re.match(BUCKET_PATTERN, name):
-        problems.append(
-            "bucket names are 3-222 characters of lowercase letters, digits, '-', '_' and '.', "
-            "starting and ending with a letter or digit"
-        )
-    if ("." not in name and len(name) > 63) or re.search(r"[^.]{64}", name):
-        problems.append(BUCKET_RULES[0][1])
-    if name.startswith("goog"):
-        problems.append(BUCKET_RULES[1][1])
-    if re.search(r"g[o0][o0]g[l1]e", name):
-        problems.append(BUCKET_RULES[2][1])
-    if re.match(r"^[0-9]{1,3}([.][0-9]{1,3}){3}$", name):
-        problems.append(BUCKET_RULES[3][1])
-    if ".." in name or ".-" in name or "-." in name:
-        problems.append(BUCKET_RULES[4][1])
-    if problems:
-        raise ValueError(f"invalid bucket name {name!r}: " + "; ".join(problems))
-    return name
-
-
-BucketName = Annotated[
-    str,
-    AfterValidator(check_bucket_name),
-    WithJsonSchema(
-        {
-            "type": "string",
-            "minLength": 3,
-            "maxLength": 222,
-            "pattern": BUCKET_PATTERN,
-            "x-kubernetes-validations": [{"rule": r, "message": m} for r, m in BUCKET_RULES],
-        }
-    ),
-]
-
-DNS_SUBDOMAIN_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-ObjectName = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)]
-"""A Kubernetes object name (DNS-1123 subdomain), e.g. a PVC or Secret name."""
-
-RelativePath = Annotated[
-    str,
-    Field(max_length=1024, pattern=r"^[^/]"),
-    WithJsonSchema(
-        {
-            "type": "string",
-            "maxLength": 1024,
-            "pattern": r"^[^/]",
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!self.split('/').exists(p, p == '..')",
-                    "message": "must be a relative path without '..' segments",
-                }
-            ],
-        }
-    ),
-]
-
-
-def _check_relative(value: str) -> str:
-    if ".." in value.split("/"):
-        raise ValueError("must be a relative path without '..' segments")
-    return value
-
 
 # --- cross-field rules ------------------------------------------------------------------------
 
@@ -383,6 +150,8 @@ RULE_ORDER_UNIQUE = Rule(
     "self.all(t, self.exists_one(u, u == t))",
     "restore.order must not repeat a tier",
 )
+RULE_REQUEST_NOT_ABOVE_LIMIT = Rule(REQUEST_NOT_ABOVE_LIMIT_RULE, REQUEST_ABOVE_LIMIT_MESSAGE)
+RULE_EXTENDED_NEEDS_LIMIT = Rule(EXTENDED_NEEDS_LIMIT_RULE, EXTENDED_NEEDS_LIMIT_MESSAGE)
 RULE_SECRET_REF = Rule(
     "self.type == 'SecretRef' ? has(self.secretRef) : !has(self.secretRef)",
     "credentials.secretRef is required with type SecretRef and not allowed with WorkloadIdentity",
@@ -405,14 +174,14 @@ def _rules(*rules: Rule) -> dict[str, Any]:
     return {"x-kubernetes-validations": [r.cel() for r in rules]}
 
 
-class RamEvery(_Model):
+class RamEverySpec(_Model):
     """When the RAM tier takes a checkpoint (every ``steps`` training steps)."""
 
     steps: Annotated[int, Field(strict=True, ge=1, le=1_000_000_000)] = 1
     """Training steps between RAM checkpoints; the client's save() is a no-op in between."""
 
 
-class RamTier(_Model):
+class RamTierSpec(_Model):
     """The RAM tier: a tmpfs (emptyDir medium Memory, or a node tmpfs via hostPath)."""
 
     model_config = ConfigDict(json_schema_extra=_rules(RULE_HOST_PATH_MEDIUM))
@@ -424,20 +193,20 @@ class RamTier(_Model):
     size_limit: SizeLimit
     """Bytes the RAM tier may hold (Kubernetes quantity, e.g. 16Gi): the emptyDir sizeLimit and
     the part of the sidecar's memory limit that the slot ring takes."""
-    host_path: Annotated[str, Field(max_length=1024, pattern=r"^/.+")] | None = None
+    host_path: HostPath | None = None
     """Node directory for medium HostPath; default /dev/shm/strata."""
     keep: Annotated[int, Field(strict=True, ge=1, le=16)] = 1
     """Committed steps kept per rank (the slot ring holds keep + 1 slots)."""
-    every: RamEvery = RamEvery()
+    every: RamEverySpec = RamEverySpec()
 
     @model_validator(mode="after")
-    def _host_path_medium(self) -> RamTier:
+    def _host_path_medium(self) -> RamTierSpec:
         if self.host_path is not None and self.medium != "HostPath":
             raise ValueError(RULE_HOST_PATH_MEDIUM.message)
         return self
 
 
-class Every(_Model):
+class EverySpec(_Model):
     """When a durable tier is due: every ``steps`` and/or every ``duration``, whichever first."""
 
     model_config = ConfigDict(json_schema_extra=_rules(RULE_EVERY_NOT_EMPTY))
@@ -448,7 +217,7 @@ class Every(_Model):
     """Wall time between promotions (Go duration: 90s, 15m, 1h30m)."""
 
     @model_validator(mode="after")
-    def _not_empty(self) -> Every:
+    def _not_empty(self) -> EverySpec:
         if self.steps is None and self.duration is None:
             raise ValueError(RULE_EVERY_NOT_EMPTY.message)
         return self
@@ -458,20 +227,20 @@ class Every(_Model):
         return None if self.duration is None else parse_duration(self.duration)
 
 
-class PvcTier(_Model):
+class PvcTierSpec(_Model):
     """The shared-filesystem tier: a PersistentVolumeClaim (Filestore, Lustre, NFS; RWX)."""
 
     claim_name: ObjectName
     """Name of a PersistentVolumeClaim in the policy's namespace (ReadWriteMany for multi-pod
     jobs)."""
-    sub_path: Annotated[RelativePath, AfterValidator(_check_relative)] | None = None
-    """Directory inside the volume that holds the checkpoints (relative, no '..')."""
-    every: Every = Every(steps=100)
+    sub_path: RelativePath | None = None
+    """Directory inside the volume that holds the checkpoints (relative, no '.' or '..')."""
+    every: EverySpec = EverySpec(steps=100)
     keep: Annotated[int, Field(strict=True, ge=1, le=1000)] = 2
     """Complete steps kept on the PVC; the newest complete step is never deleted first."""
 
 
-class SecretKeyRef(_Model):
+class SecretKeyRefSpec(_Model):
     """A key of a Secret in the policy's namespace holding a service-account JSON key."""
 
     name: ObjectName
@@ -480,7 +249,7 @@ class SecretKeyRef(_Model):
     )
 
 
-class GcsCredentials(_Model):
+class GcsCredentialsSpec(_Model):
     """How the sidecar authenticates to GCS (workload identity unless a Secret is named)."""
 
     model_config = ConfigDict(json_schema_extra=_rules(RULE_SECRET_REF))
@@ -488,29 +257,30 @@ class GcsCredentials(_Model):
     type: Literal["WorkloadIdentity", "SecretRef"] = "WorkloadIdentity"
     """WorkloadIdentity: the pod's Kubernetes service account (GKE Workload Identity Federation).
     SecretRef: a service-account JSON key from secretRef."""
-    secret_ref: SecretKeyRef | None = None
+    secret_ref: SecretKeyRefSpec | None = None
 
     @model_validator(mode="after")
-    def _secret_ref(self) -> GcsCredentials:
+    def _secret_ref(self) -> GcsCredentialsSpec:
         if (self.type == "SecretRef") != (self.secret_ref is not None):
             raise ValueError(RULE_SECRET_REF.message)
         return self
 
 
-class GcsTier(_Model):
+class GcsTierSpec(_Model):
     """The object-store tier: ``gs://<bucket>/<prefix>/<job id>/steps/...``."""
 
     bucket: BucketName
     """GCS bucket name (https://cloud.google.com/storage/docs/buckets#naming)."""
-    prefix: Annotated[str, Field(max_length=1024, pattern=r"^[^/].*[^/]$|^[^/]?$")] = ""
-    """Object name prefix inside the bucket (no leading or trailing '/')."""
-    every: Every = Every(steps=1000)
+    prefix: GcsPrefix = ""
+    """Object name prefix inside the bucket (no leading or trailing '/', at most 256 bytes, so
+    that every object name stays within GCS' 1,024 bytes)."""
+    every: EverySpec = EverySpec(steps=1000)
     keep: Annotated[int, Field(strict=True, ge=1, le=1000)] = 3
     """Complete steps kept in the bucket."""
-    credentials: GcsCredentials = GcsCredentials()
+    credentials: GcsCredentialsSpec = GcsCredentialsSpec()
 
 
-class Tiers(_Model):
+class TiersSpec(_Model):
     """The tiers checkpoints flow through: RAM (always), then PVC and GCS when configured."""
 
     model_config = ConfigDict(
@@ -522,12 +292,12 @@ class Tiers(_Model):
         )
     )
 
-    ram: RamTier
-    pvc: PvcTier | None = None
-    gcs: GcsTier | None = None
+    ram: RamTierSpec
+    pvc: PvcTierSpec | None = None
+    gcs: GcsTierSpec | None = None
 
     @model_validator(mode="after")
-    def _intervals(self) -> Tiers:
+    def _intervals(self) -> TiersSpec:
         ram_steps = self.ram.every.steps
         problems: list[str] = []
         if self.pvc and self.pvc.every.steps and self.pvc.every.steps % ram_steps:
@@ -546,7 +316,7 @@ class Tiers(_Model):
         return self
 
 
-class Restore(_Model):
+class RestoreSpec(_Model):
     """How a restarted pod finds its checkpoint."""
 
     order: (
@@ -564,39 +334,52 @@ class Restore(_Model):
     events); false: the training client's restore() fails instead."""
 
     @model_validator(mode="after")
-    def _unique(self) -> Restore:
+    def _unique(self) -> RestoreSpec:
         if self.order is not None and len(set(self.order)) != len(self.order):
             raise ValueError(RULE_ORDER_UNIQUE.message)
         return self
 
 
-class Resources(_Model):
-    """Compute resources of the sidecar container (corev1 ResourceRequirements shape)."""
+class ResourcesSpec(_Model):
+    """Compute resources of the sidecar process (corev1 ResourceRequirements shape and rules).
 
-    requests: Annotated[dict[str, Quantity], Field(max_length=8)] = {}
-    limits: Annotated[dict[str, Quantity], Field(max_length=8)] = {}
+    The webhook adds the RAM tier's sizeLimit to the memory request and limit; without a cpu
+    request it requests the operator's default (250m), lowered to ``limits.cpu`` when smaller.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(RULE_REQUEST_NOT_ABOVE_LIMIT, RULE_EXTENDED_NEEDS_LIMIT)
+    )
+
+    requests: ResourceList = {}
+    limits: ResourceList = {}
+
+    @model_validator(mode="after")
+    def _requirements(self) -> ResourcesSpec:
+        check_requirements(self.requests, self.limits)
+        return self
 
 
-class SidecarPorts(_Model):
+class SidecarPortsSpec(_Model):
     """Ports the sidecar listens on inside the pod."""
 
     metrics: Annotated[int, Field(strict=True, ge=1024, le=65535)] = DEFAULT_METRICS_PORT
     """Serves /metrics (Prometheus) and /healthz (startup and liveness probes)."""
 
 
-class Sidecar(_Model):
+class SidecarSpec(_Model):
     """The injected checkpoint sidecar (a native sidecar: init container, restartPolicy Always)."""
 
-    image: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")] | None = None
+    image: ImageReference | None = None
     """Sidecar image; unset: the operator's ``--sidecar-image`` (the chart's sidecar.image)."""
-    resources: Resources = Resources()
+    resources: ResourcesSpec = ResourcesSpec()
     """Requests and limits; the webhook adds the RAM tier's sizeLimit to the memory limit."""
     termination_grace_period_seconds: Annotated[int, Field(strict=True, ge=1, le=86400)] | None = (
         None
     )
     """Pod grace period the webhook sets when the pod has a shorter one; the SIGTERM flush of
     the newest RAM step to the PVC must fit in it."""
-    ports: SidecarPorts = SidecarPorts()
+    ports: SidecarPortsSpec = SidecarPortsSpec()
 
 
 class CheckpointPolicySpec(_Model):
@@ -605,9 +388,9 @@ class CheckpointPolicySpec(_Model):
 
     model_config = ConfigDict(json_schema_extra=_rules(RULE_ORDER_CONFIGURED))
 
-    tiers: Tiers
-    restore: Restore = Restore()
-    sidecar: Sidecar = Sidecar()
+    tiers: TiersSpec
+    restore: RestoreSpec = RestoreSpec()
+    sidecar: SidecarSpec = SidecarSpec()
 
     @model_validator(mode="after")
     def _order_configured(self) -> CheckpointPolicySpec:
@@ -650,7 +433,7 @@ class Condition(_Model):
     """What is wrong and what to do, for humans."""
 
 
-class TierSteps(_Model):
+class TierStepsStatus(_Model):
     """Newest complete step per tier (every rank's manifest committed in that tier)."""
 
     ram: Annotated[int, Field(ge=0)] | None = None
@@ -658,7 +441,7 @@ class TierSteps(_Model):
     gcs: Annotated[int, Field(ge=0)] | None = None
 
 
-class LastRestore(_Model):
+class LastRestoreStatus(_Model):
     """Provenance of a job's last restore."""
 
     tier: TierName | None = None
@@ -670,7 +453,7 @@ class LastRestore(_Model):
     time: datetime
 
 
-class LastError(_Model):
+class LastErrorStatus(_Model):
     tier: TierName | None = None
     message: Annotated[str, Field(max_length=2048)]
     time: datetime
@@ -680,9 +463,9 @@ class JobStatus(_Model):
     """What the sidecars of one job (``<namespace>.<workload>`` or its run id) reported."""
 
     job_id: Annotated[str, Field(min_length=1, max_length=512)]
-    newest_complete_step: TierSteps = TierSteps()
-    last_restore: LastRestore | None = None
-    last_error: LastError | None = None
+    newest_complete_step: TierStepsStatus = TierStepsStatus()
+    last_restore: LastRestoreStatus | None = None
+    last_error: LastErrorStatus | None = None
     update_time: datetime | None = None
     """When a report about this job was last folded in."""
 
@@ -702,7 +485,7 @@ class CheckpointPolicyStatus(_Model):
             },
         ),
     ] = []
-    newest_complete_step: TierSteps | None = None
+    newest_complete_step: TierStepsStatus | None = None
     """Newest complete step per tier of the most recently reported job (printer columns)."""
     jobs: Annotated[
         list[JobStatus],
@@ -726,7 +509,7 @@ class CheckpointPolicy(_Model):
 # --- the sidecar contract ---------------------------------------------------------------------
 
 
-def _interval(every: Every) -> Interval:
+def _interval(every: EverySpec) -> Interval:
     return Interval(steps=every.steps, seconds=every.seconds)
 
 

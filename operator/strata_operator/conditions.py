@@ -1,6 +1,6 @@
 """``metav1.Condition`` helpers for ``CheckpointPolicy.status.conditions`` (the JobSet way).
 
-Condition types and reasons are constants (CamelCase reasons, machine-readable); the message is
+Condition types and reasons are constants in :mod:`strata_operator.constants` (CamelCase reasons, machine-readable); the message is
 for humans and says what to fix. :func:`set_condition` keeps ``lastTransitionTime`` when the
 status did not change (Kubernetes API conventions: it is the time of the last *transition*,
 not of the last check), so a reconcile that finds nothing new changes nothing but
@@ -12,52 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final, Literal
+from typing import Any, Literal
+
+from strata_operator.constants import CONDITION_REASONS
 
 ConditionStatus = Literal["True", "False", "Unknown"]
-
-# Condition types.
-READY: Final = "Ready"
-"""The policy is valid and every configured tier is usable: workloads may name it."""
-DEGRADED: Final = "Degraded"
-"""The policy works but something reduces protection (e.g. a PVC that is not ReadWriteMany)."""
-
-# Reasons of Ready.
-REASON_RECONCILED: Final = "Reconciled"
-REASON_INVALID_SPEC: Final = "InvalidSpec"
-REASON_PVC_NOT_FOUND: Final = "PvcNotFound"
-REASON_PVC_LOST: Final = "PvcLost"
-REASON_SECRET_NOT_FOUND: Final = "SecretNotFound"
-REASON_BUCKET_NOT_FOUND: Final = "BucketNotFound"
-REASON_BUCKET_FORBIDDEN: Final = "BucketForbidden"
-REASON_BUCKET_UNREACHABLE: Final = "BucketUnreachable"
-REASON_HOST_PATH_FORBIDDEN: Final = "HostPathForbidden"
-REASON_API_ERROR: Final = "ApiError"
-
-# Reasons of Degraded.
-REASON_AS_EXPECTED: Final = "AsExpected"
-REASON_PVC_NOT_SHARED: Final = "PvcNotShared"
-REASON_BUCKET_NOT_CHECKED: Final = "BucketNotChecked"
-REASON_NOT_EVALUATED: Final = "NotEvaluated"
-
-REASONS: Final = frozenset(
-    {
-        REASON_RECONCILED,
-        REASON_INVALID_SPEC,
-        REASON_PVC_NOT_FOUND,
-        REASON_PVC_LOST,
-        REASON_SECRET_NOT_FOUND,
-        REASON_BUCKET_NOT_FOUND,
-        REASON_BUCKET_FORBIDDEN,
-        REASON_BUCKET_UNREACHABLE,
-        REASON_HOST_PATH_FORBIDDEN,
-        REASON_API_ERROR,
-        REASON_AS_EXPECTED,
-        REASON_PVC_NOT_SHARED,
-        REASON_BUCKET_NOT_CHECKED,
-        REASON_NOT_EVALUATED,
-    }
-)
 
 
 def utcnow() -> datetime:
@@ -80,8 +39,10 @@ class NewCondition:
     message: str
 
     def __post_init__(self) -> None:
-        if self.reason not in REASONS:
-            raise ValueError(f"unknown condition reason {self.reason!r}; add it to REASONS")
+        if self.reason not in CONDITION_REASONS:
+            raise ValueError(
+                f"unknown condition reason {self.reason!r}; add it to constants.CONDITION_REASONS"
+            )
 
 
 def find(conditions: Iterable[Mapping[str, Any]], type_: str) -> Mapping[str, Any] | None:

@@ -34,6 +34,7 @@ import yaml
 from pydantic import BaseModel
 
 from strata_operator import api
+from strata_operator.validation import MAX_POLICY_NAME, POLICY_NAME_MESSAGE
 
 CRD_NAME = f"{api.PLURAL}.{api.GROUP}"
 FILE_NAME = f"{CRD_NAME}.yaml"
@@ -230,6 +231,12 @@ def crd() -> dict[str, Any]:
                                 "status": status_schema,
                             },
                             "required": ["spec"],
+                            "x-kubernetes-validations": [
+                                {
+                                    "rule": f"size(self.metadata.name) <= {MAX_POLICY_NAME}",
+                                    "message": POLICY_NAME_MESSAGE,
+                                }
+                            ],
                         }
                     },
                 }

@@ -30,19 +30,23 @@ list their module names in :data:`EXTENSION_MODULES`. A module may also define
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
+import json
 import logging
 import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
 from strata_operator import api, metrics
 from strata_operator import conditions as c
+from strata_operator import constants as k
+from strata_operator.constants import FIELD_MANAGER, FINALIZER, PERSISTENCE_PREFIX, POLICY_LABEL
 from strata_operator.reconcile import (
     InvalidSpec,
     Outcome,
@@ -57,10 +61,6 @@ from strata_operator.reconcile import (
 EXTENSION_MODULES: tuple[str, ...] = ("strata_operator.webhook", "strata_operator.receiver")
 """Modules that register more kopf handlers on import (e.g. ``strata_operator.webhook``)."""
 
-PERSISTENCE_PREFIX = "strata.dev"
-FINALIZER = "strata.dev/finalizer"
-"""Configured so kopf never uses its own name; no handler makes kopf add it (C-13)."""
-FIELD_MANAGER = "strata-operator"
 log = logging.getLogger("strata.operator")
 
 
@@ -84,23 +84,31 @@ class Clients:
 
 
 class GenerationDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
-    """kopf's last-handled-configuration annotation, plus ``metadata.generation``.
+    """kopf's last-handled-configuration annotation, holding a digest instead of the object.
 
-    kopf decides "update" by comparing the spec with the last *successfully handled* one. When a
-    user breaks a policy (the handler is retrying) and reverts it before the retry, the spec
-    equals the last handled one again and kopf drops the pending update: status stays at the
-    broken generation forever. With the generation in the essence every spec change, reverts
-    included, is an update.
+    kopf decides "update" by comparing an object's *essence* with the last *successfully
+    handled* one, which it stores as JSON in an annotation. Two changes to kopf's default:
+
+    * The essence is ``metadata.generation`` plus the SHA-256 of the spec (about 120 bytes),
+      not a copy of the spec, labels and annotations: a copy doubles the object's annotations,
+      so a policy whose annotations (or spec) exceed half of Kubernetes' 256 KiB annotation
+      limit could never be marked handled, and kopf would retry it forever. Labels and
+      annotations do not change what the reconcile decides, so they are not part of it.
+    * With the generation in the essence every spec change, reverts included, is an update:
+      when a user breaks a policy (the handler is retrying) and reverts it before the retry,
+      the spec equals the last handled one again and kopf would drop the pending update, leaving
+      status at the broken generation forever.
     """
 
     def build(
         self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None
     ) -> kopf.BodyEssence:
-        essence = super().build(body=body, extra_fields=extra_fields)
+        spec = json.dumps(body.get("spec") or {}, sort_keys=True, separators=(",", ":"))
+        essence: dict[str, Any] = {"spec": {"sha256": hashlib.sha256(spec.encode()).hexdigest()}}
         generation = body.get("metadata", {}).get("generation")
         if generation is not None:
-            essence.setdefault("metadata", {})["generation"] = generation  # type: ignore[typeddict-unknown-key]
-        return essence
+            essence["metadata"] = {"generation": generation}
+        return cast(kopf.BodyEssence, essence)
 
 
 @kopf.on.startup()
@@ -116,6 +124,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # kopf would post its own log lines as Events, including "failed temporarily" on every
     # retry of a missing dependency; our Events (on a Ready change) already say it once.
     settings.posting.level = logging.CRITICAL
+    # Only labelled pods are watched (server-side selector): the operator's memory and its
+    # start-up list do not grow with the cluster's other pods.
+    settings.watching.label_selectors["", "v1", "pods"] = POLICY_LABEL
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
@@ -128,9 +139,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo["clients"] = Clients(core_v1=client.CoreV1Api(), custom=client.CustomObjectsApi())
 
 
-def _reconcile(spec: dict[str, Any], namespace: str, opts: Options, clients: Clients) -> Outcome:
+def _reconcile(
+    spec: dict[str, Any], namespace: str, name: str, opts: Options, clients: Clients
+) -> Outcome:
     try:
-        parsed = parse_spec(spec)
+        parsed = parse_spec(spec, name=name)
     except InvalidSpec as err:
         return invalid(err)
     facts = gather(
@@ -163,11 +176,11 @@ def _patch_status(clients: Clients, namespace: str, name: str, patch: dict[str, 
         if exc.status == 404:
             return False
         raise ReconcileError(
-            c.REASON_API_ERROR, f"status patch failed: {exc.status} {exc.reason}", retry_after=10
+            k.REASON_API_ERROR, f"status patch failed: {exc.status} {exc.reason}", retry_after=10
         ) from None
     except OSError as exc:
         raise ReconcileError(
-            c.REASON_API_ERROR, f"status patch failed: {exc}", retry_after=10
+            k.REASON_API_ERROR, f"status patch failed: {exc}", retry_after=10
         ) from None
     return True
 
@@ -181,8 +194,8 @@ def _changed(old: dict[str, Any] | None, patch: dict[str, Any]) -> bool:
 
 
 def _ready_changed(old: dict[str, Any] | None, patch: dict[str, Any]) -> bool:
-    before = c.find((old or {}).get("conditions") or [], c.READY)
-    after = c.find(patch["conditions"], c.READY)
+    before = c.find((old or {}).get("conditions") or [], k.READY)
+    after = c.find(patch["conditions"], k.READY)
     if before is None or after is None:
         return True
     return bool(
@@ -229,7 +242,7 @@ def _reconcile_and_report(
     logger: logging.Logger | logging.LoggerAdapter[Any],
 ) -> None:
     try:
-        outcome = _reconcile(dict(spec), namespace, opts, clients)
+        outcome = _reconcile(dict(spec), namespace, name, opts, clients)
         patch = new_status(old_status, outcome, generation=meta.get("generation"))
         if _changed(old_status, patch) and not _patch_status(clients, namespace, name, patch):
             logger.info("policy is gone; nothing to reconcile")

@@ -61,6 +61,15 @@ REPORT_DURATION = Histogram(
     "Time to authenticate, check and fold one sidecar report, seconds.",
     buckets=_LATENCY_BUCKETS,
 )
+STATUS_PATCHES = Counter(
+    "strata_report_status_patches",
+    "Status patches the report receiver made (each folds every report queued for one policy).",
+)
+REPORTS_PER_PATCH = Histogram(
+    "strata_reports_per_status_patch",
+    "Reports folded into one status patch.",
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
+)
 PODS_UNINJECTED = Counter(
     "strata_pods_uninjected",
     "Pods labelled for a CheckpointPolicy seen running without the Strata sidecar.",

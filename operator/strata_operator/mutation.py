@@ -3,7 +3,7 @@
 The admission handlers in :mod:`strata_operator.webhook` only wire these functions; everything a
 pod gets from Strata is decided here, without a cluster, so it is unit tested as plain data.
 
-What an injected pod gets (DESIGN.md "Webhook"; every name below is a module constant):
+What an injected pod gets (every name below is a constant of :mod:`strata_operator.constants`):
 
 * volume ``strata-ram``: ``emptyDir`` with ``medium: Memory`` and ``sizeLimit`` (survives container
   restarts) or ``hostPath`` on a node tmpfs (survives a reschedule onto the same node; not allowed
@@ -39,9 +39,14 @@ variable                              label
 ``STRATA_REPLICA_INDEX``              ``training.kubeflow.org/replica-index``
 ====================================  ==============================================
 
-The patch only adds (plus raising the grace period): existing init containers, native sidecars,
-env, mounts and unknown fields stay as they are. It is idempotent: everything is added only when
-missing, so applying the patch and calling :func:`build_pod_patch` again yields ``[]``. A pod that
+The patch only adds (plus raising the grace period, and pod-level ``spec.resources`` by the
+sidecar's share when the pod sets them): existing init containers, native sidecars, env, mounts
+and unknown fields stay as they are. A pod that already uses one of Strata's names (container,
+volume, mount path, env, port, annotation) or that cannot run the sidecar (Windows) is refused,
+never silently half-injected (:mod:`strata_operator.pod_checks`). It is idempotent: an injected
+pod only gets what is missing, so applying the patch and calling :func:`build_pod_patch` again
+yields ``[]``. Names are constants of :mod:`strata_operator.constants`. Rule of this module:
+pure (no Kubernetes calls, no kopf). A pod that
 meets the restricted Pod Security Standard still meets it after injection with the ``Memory``
 medium: the sidecar runs as non-root, without privilege escalation, with all capabilities dropped
 and the ``RuntimeDefault`` seccomp profile, and it declares no host port.
@@ -56,58 +61,42 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from strata.config import StrataConfig
+from strata_operator import pod_checks
 from strata_operator.api import (
     DEFAULT_HOST_PATH,
     DEFAULT_SIDECAR_IMAGE,
     CheckpointPolicySpec,
-    quantity_bytes,
     to_sidecar_config,
 )
+from strata_operator.constants import (
+    CA_FILE,
+    INJECTED_ANNOTATION,
+    JOB_NAME_LABELS,
+    JOBSET_NAME_LABEL,
+    METRICS_PORT_NAME,
+    POD_FIELD_ENV,
+    POLICY_LABEL,
+    PVC_VOLUME,
+    PYTORCHJOB_NAME_LABEL,
+    RAM_VOLUME,
+    RANK_LABELS,
+    REPORT_CA_ANNOTATION,
+    RUN_ID_ANNOTATION,
+    SIDECAR_NAME,
+    TOKEN_DIR,
+    TOKEN_FILE,
+    TOKEN_VOLUME,
+)
+from strata_operator.validation import parse_quantity, quantity_bytes
 
 JSONPatchOp = dict[str, Any]
 Obj = dict[str, Any]
-
-POLICY_LABEL = "strata.dev/policy"
-"""Pod label (and workload annotation) naming the CheckpointPolicy in the pod's namespace."""
-RUN_ID_ANNOTATION = "strata.dev/run-id"
-"""Overrides the job id so that a resubmitted run continues from its checkpoints."""
-INJECTED_ANNOTATION = "strata.dev/injected"
-"""Marker set on injected pods; value: the policy name."""
-REPORT_CA_ANNOTATION = "strata.dev/report-ca"
-"""PEM bundle of the report endpoint's CA, projected into the token volume as ``ca.crt``."""
-
-SIDECAR_NAME = "strata-sidecar"
-RAM_VOLUME = "strata-ram"
-PVC_VOLUME = "strata-pvc"
-TOKEN_VOLUME = "strata-token"
-TOKEN_DIR = "/var/run/secrets/strata.dev"
-TOKEN_FILE = "token"
-CA_FILE = "ca.crt"
-METRICS_PORT_NAME = "strata-metrics"
-
-JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
-PYTORCHJOB_NAME_LABEL = "training.kubeflow.org/job-name"
-JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
-
-RANK_LABELS: tuple[tuple[str, str], ...] = (
-    ("STRATA_JOBSET_JOB_INDEX", "jobset.sigs.k8s.io/job-index"),
-    ("STRATA_JOBSET_JOB_GLOBAL_INDEX", "jobset.sigs.k8s.io/job-global-index"),
-    ("STRATA_JOBSET_REPLICATED_JOB", "jobset.sigs.k8s.io/replicatedjob-name"),
-    ("STRATA_COMPLETION_INDEX", "batch.kubernetes.io/job-completion-index"),
-    ("STRATA_REPLICA_TYPE", "training.kubeflow.org/replica-type"),
-    ("STRATA_REPLICA_INDEX", "training.kubeflow.org/replica-index"),
-)
-POD_FIELD_ENV: tuple[tuple[str, str], ...] = (
-    ("POD_NAME", "metadata.name"),
-    ("POD_NAMESPACE", "metadata.namespace"),
-    ("POD_UID", "metadata.uid"),
-    ("NODE_NAME", "spec.nodeName"),
-)
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _GENERATED_SUFFIX_RE = re.compile(r"-+$")
@@ -281,11 +270,7 @@ def build_pod_patch(
 
     containers: list[Obj] = list(spec.get("containers") or [])
     init_containers: list[Obj] = list(spec.get("initContainers") or [])
-    if any(c.get("name") == SIDECAR_NAME for c in containers):
-        raise InjectionError(
-            f"{pod_desc}: a training container is named {SIDECAR_NAME!r}, the name of the Strata "
-            f"sidecar; rename it or remove the label {POLICY_LABEL}"
-        )
+    injected = pod_checks.is_injected(pod)
 
     ram_bytes = quantity_bytes(pol.tiers.ram.size_limit)
     existing_grace = spec.get("terminationGracePeriodSeconds")
@@ -314,6 +299,16 @@ def build_pod_patch(
     wanted_annotations = {INJECTED_ANNOTATION: view.name}
     if settings.report_ca_pem:
         wanted_annotations[REPORT_CA_ANNOTATION] = settings.report_ca_pem
+    if not injected:
+        mount_paths = {m["name"]: m["mountPath"] for m in _tier_mounts(pol, config)}
+        problems = pod_checks.conflicts(
+            pod,
+            mount_paths=mount_paths,
+            metrics_port=config.metrics_port,
+            wanted_annotations=wanted_annotations,
+        )
+        if problems:
+            raise InjectionError(f"{pod_desc} cannot be injected: " + "; ".join(problems))
     missing = {k: v for k, v in wanted_annotations.items() if k not in annotations}
     if missing and not meta.get("annotations"):
         ops.append({"op": "add", "path": "/metadata/annotations", "value": missing})
@@ -337,6 +332,7 @@ def build_pod_patch(
     if not any(c.get("name") == SIDECAR_NAME for c in init_containers):
         sidecar = _sidecar_container(spec, pol, settings, env, ram_bytes, config)
         ops += _add_items("/spec/initContainers", bool(init_containers), [sidecar])
+        ops += _pod_level_resources(spec, sidecar["resources"])
 
     # env and mounts of every training container
     mounts = _tier_mounts(pol, config)
@@ -437,7 +433,12 @@ def _sidecar_resources(
     limits = dict(pol.sidecar.resources.limits)
     process_memory = limits.get("memory") or requests.get("memory") or settings.memory_overhead
     total = ram_bytes + quantity_bytes(process_memory)
-    requests.setdefault("cpu", settings.cpu_request)
+    if "cpu" not in requests:
+        # Never above the policy's cpu limit (a request above its limit is invalid).
+        cpu_limit = limits.get("cpu")
+        default = settings.cpu_request
+        too_high = cpu_limit is not None and parse_quantity(cpu_limit) < parse_quantity(default)
+        requests["cpu"] = cpu_limit if too_high and cpu_limit is not None else default
     requests["memory"] = format_bytes(total)
     limits["memory"] = format_bytes(total)
     return {"requests": requests, "limits": limits}
@@ -505,78 +506,37 @@ def _sidecar_container(
     return container
 
 
-# ---------------------------------------------------------------------------------------------
-# Workloads (JobSet, PyTorchJob, Job)
+def _format_quantity(value: Decimal) -> str:
+    """A quantity value as the shortest exact string: whole numbers plain, else millis."""
+    if value == value.to_integral_value():
+        return str(int(value))
+    return f"{int((value * 1000).to_integral_value(rounding=ROUND_CEILING))}m"
 
-WORKLOAD_KINDS = ("JobSet", "PyTorchJob", "Job")
 
+def _pod_level_resources(spec: Mapping[str, Any], sidecar: Mapping[str, Any]) -> list[JSONPatchOp]:
+    """Raise pod-level ``spec.resources`` (PodLevelResources) by what the sidecar adds.
 
-def pod_template_paths(obj: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
-    """``(JSON pointer, template)`` of every pod template of a JobSet, PyTorchJob or Job.
-
-    JobSet: ``spec.replicatedJobs[i].template.spec.template``; PyTorchJob:
-    ``spec.pytorchReplicaSpecs.<type>.template``; Job: ``spec.template``.
+    The apiserver requires pod-level requests >= the sum of the containers' requests, and the pod
+    limit bounds every container; the sidecar's requests and limits are added to each resource
+    the pod sets at pod level, so the training containers keep their share.
     """
-    kind = obj.get("kind")
-    spec = obj.get("spec") or {}
-    out: list[tuple[str, Mapping[str, Any]]] = []
-    if kind == "JobSet":
-        for i, rjob in enumerate(spec.get("replicatedJobs") or []):
-            tmpl = (((rjob or {}).get("template") or {}).get("spec") or {}).get("template")
-            if isinstance(tmpl, Mapping):
-                out.append((f"/spec/replicatedJobs/{i}/template/spec/template", tmpl))
-    elif kind == "PyTorchJob":
-        for rtype, rspec in (spec.get("pytorchReplicaSpecs") or {}).items():
-            tmpl = (rspec or {}).get("template")
-            if isinstance(tmpl, Mapping):
-                out.append((f"/spec/pytorchReplicaSpecs/{escape_pointer(rtype)}/template", tmpl))
-    elif kind == "Job":
-        tmpl = spec.get("template")
-        if isinstance(tmpl, Mapping):
-            out.append(("/spec/template", tmpl))
-    else:
-        raise InjectionError(
-            f"unsupported workload kind {kind!r}; expected one of {WORKLOAD_KINDS}"
-        )
-    return out
-
-
-def build_workload_patch(obj: Mapping[str, Any]) -> list[JSONPatchOp]:
-    """Label every pod template of an annotated workload with ``strata.dev/policy: <name>``.
-
-    The policy comes from the workload's ``strata.dev/policy`` annotation; no annotation: ``[]``.
-    The workload's ``strata.dev/run-id`` annotation is copied to the templates too (pods do not
-    inherit workload annotations). Templates already labelled keep their label. Idempotent.
-    """
-    annotations = (obj.get("metadata") or {}).get("annotations") or {}
-    policy = annotations.get(POLICY_LABEL)
-    if not policy:
+    pod_resources = spec.get("resources")
+    if not isinstance(pod_resources, Mapping):
         return []
-    run_id = annotations.get(RUN_ID_ANNOTATION)
     ops: list[JSONPatchOp] = []
-    for path, tmpl in pod_template_paths(obj):
-        tmeta = tmpl.get("metadata")
-        if not isinstance(tmeta, Mapping):
-            value: Obj = {"labels": {POLICY_LABEL: policy}}
-            if run_id:
-                value["annotations"] = {RUN_ID_ANNOTATION: run_id}
-            ops.append({"op": "add", "path": f"{path}/metadata", "value": value})
+    for kind in ("requests", "limits"):
+        current = pod_resources.get(kind)
+        if not isinstance(current, Mapping):
             continue
-        for field, key, val in (
-            ("labels", POLICY_LABEL, policy),
-            ("annotations", RUN_ID_ANNOTATION, run_id),
-        ):
-            if not val:
+        for name, value in (sidecar.get(kind) or {}).items():
+            if name not in current:
                 continue
-            current = tmeta.get(field)
-            if not current:
-                ops.append({"op": "add", "path": f"{path}/metadata/{field}", "value": {key: val}})
-            elif key not in current:
-                ops.append(
-                    {
-                        "op": "add",
-                        "path": f"{path}/metadata/{field}/{escape_pointer(key)}",
-                        "value": val,
-                    }
-                )
+            total = parse_quantity(str(current[name])) + parse_quantity(str(value))
+            ops.append(
+                {
+                    "op": "replace",
+                    "path": f"/spec/resources/{kind}/{escape_pointer(name)}",
+                    "value": _format_quantity(total),
+                }
+            )
     return ops

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import hashlib
 import json
 import logging
 import ssl
@@ -52,21 +54,30 @@ from strata.reports import REPORT_PATH, SidecarReport
 from strata_operator import api, certs
 from strata_operator import conditions as c
 from strata_operator import metrics as m
-from strata_operator.mutation import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_NAME
+from strata_operator.coalescer import Coalescer, QueueFull
+from strata_operator.constants import (
+    COMPONENT,
+    EVENT_FRESH_START,
+    EVENT_NOT_PROTECTED,
+    EVENT_RESTORE_FAILED,
+    EVENT_RESTORED,
+    EVENT_TIER_FAILED,
+    INJECTED_ANNOTATION,
+    POLICY_LABEL,
+    SIDECAR_NAME,
+)
 
 log = logging.getLogger("strata.receiver")
 
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
-COMPONENT = "strata-operator"
 MAX_BODY_BYTES = 256 * 1024
-
-REASON_RESTORED = "Restored"
-REASON_FRESH_START = "FreshStart"
-REASON_RESTORE_FAILED = "RestoreFailed"
-REASON_TIER_FAILED = "TierFailed"
-REASON_NOT_PROTECTED = "NotProtected"
+TOKEN_CACHE_SECONDS = 30.0
+"""How long a TokenReview answer is reused for the same token (the sidecar reports every few
+seconds with one token; the kubelet rotates it at 80 % of its life)."""
+MAX_PENDING_PER_POLICY = 20_000
+"""Reports queued for one policy's next status patch; beyond it the oldest are answered 503."""
 
 
 class Rejected(Exception):
@@ -153,7 +164,7 @@ def fold_report(
             events.append(
                 EventSpec(
                     "Normal",
-                    REASON_RESTORED,
+                    EVENT_RESTORED,
                     f"{where}{rank} restored step {restore.step} from tier {restore.tier} in "
                     f"{restore.seconds:.2f} s ({restore.bytes} bytes){skipped}",
                     key,
@@ -163,7 +174,7 @@ def fold_report(
             events.append(
                 EventSpec(
                     "Warning",
-                    REASON_FRESH_START,
+                    EVENT_FRESH_START,
                     f"{where}{rank} found no restorable step and started from scratch "
                     f"(restore.allowFreshStart){skipped}",
                     key,
@@ -173,7 +184,7 @@ def fold_report(
             events.append(
                 EventSpec(
                     "Warning",
-                    REASON_RESTORE_FAILED,
+                    EVENT_RESTORE_FAILED,
                     f"{where}{rank} could not restore any step{skipped}",
                     key,
                 )
@@ -192,7 +203,7 @@ def fold_report(
         events.append(
             EventSpec(
                 "Warning",
-                REASON_TIER_FAILED,
+                EVENT_TIER_FAILED,
                 f"{where}: {part} failed: {error.message}",
                 f"{source}|error|{error.tier}|{error.time.isoformat()}",
             )
@@ -214,6 +225,14 @@ def fold_report(
 # --- the server -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PodFacts:
+    """What the receiver needs to know about a labelled pod (from the pod watch or a GET)."""
+
+    uid: str | None
+    policy: str | None
+
+
 @dataclass
 class ReceiverState:
     """Run-time state of the receiver (``memo["receiver"]``)."""
@@ -225,11 +244,17 @@ class ReceiverState:
     auth_api: Any = None
     core_api: Any = None
     custom_api: Any = None
+    status_interval: float = 1.0
+    """Seconds between two status patches of one policy (reports in between are folded)."""
     runner: web.AppRunner | None = None
-    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    batches: Coalescer[tuple[str, str], SidecarReport, int] | None = None
     warned_pods: OrderedDict[str, None] = field(default_factory=OrderedDict)
     posted: OrderedDict[str, None] = field(default_factory=OrderedDict)
     """Keys of events already posted (a re-sent report must not repeat them); bounded."""
+    tokens: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    """sha256(token) -> (monotonic expiry, identity) of tokens the apiserver authenticated."""
+    pods: dict[tuple[str, str], PodFacts] = field(default_factory=dict)
+    """Labelled pods as the pod watch last saw them (namespace, name)."""
 
     def first_time(self, key: str) -> bool:
         if not key:
@@ -241,8 +266,18 @@ class ReceiverState:
             self.posted.popitem(last=False)
         return True
 
-    def lock(self, namespace: str, name: str) -> asyncio.Lock:
-        return self.locks.setdefault((namespace, name), asyncio.Lock())
+    def cached_identity(self, token: str) -> dict[str, Any] | None:
+        entry = self.tokens.get(hashlib.sha256(token.encode()).hexdigest())
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def remember_identity(self, token: str, identity: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if len(self.tokens) > 50_000:
+            self.tokens = {k: v for k, v in self.tokens.items() if v[0] >= now}
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        self.tokens[digest] = (now + TOKEN_CACHE_SECONDS, identity)
 
 
 def _review_token(auth_api: Any, token: str, audience: str) -> dict[str, Any]:
@@ -382,9 +417,13 @@ async def handle_report(state: ReceiverState, request: web.Request) -> web.Respo
 async def _handle(state: ReceiverState, request: web.Request) -> dict[str, Any]:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
         raise Rejected(401, "missing-token", "Authorization: Bearer <token> is required")
-    identity = await asyncio.to_thread(_review_token, state.auth_api, token.strip(), state.audience)
+    identity = state.cached_identity(token)
+    if identity is None:
+        identity = await asyncio.to_thread(_review_token, state.auth_api, token, state.audience)
+        state.remember_identity(token, identity)
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise Rejected(400, "malformed", f"body larger than {MAX_BODY_BYTES} bytes")
     raw = await request.read()
@@ -410,45 +449,74 @@ async def _handle(state: ReceiverState, request: web.Request) -> dict[str, Any]:
             "pod-mismatch",
             f"token of pod {identity['pod_name']!r} cannot report for pod {report.pod_name!r}",
         )
-    pod = await asyncio.to_thread(_get_pod, state.core_api, report.namespace, report.pod_name)
-    pod_uid = ((pod or {}).get("metadata") or {}).get("uid")
-    if pod is None or (identity["pod_uid"] and identity["pod_uid"] != pod_uid):
+    pod = await _pod_facts(state, report.namespace, report.pod_name, identity["pod_uid"])
+    if pod is None:
         raise Rejected(403, "pod-not-found", f"pod {report.namespace}/{report.pod_name} not found")
-    labels = (pod.get("metadata") or {}).get("labels") or {}
-    if labels.get(POLICY_LABEL) != report.policy:
+    if pod.policy != report.policy:
         raise Rejected(
             403,
             "policy-mismatch",
             f"pod {report.namespace}/{report.pod_name} is not labelled "
             f"{POLICY_LABEL}={report.policy}",
         )
-    async with state.lock(report.namespace, report.policy):
-        for _ in range(8):
-            policy = await asyncio.to_thread(
-                _get_policy, state.custom_api, report.namespace, report.policy
+    assert state.batches is not None  # created by start_receiver
+    try:
+        events = await state.batches.submit((report.namespace, report.policy), report)
+    except QueueFull:
+        raise Rejected(503, "busy", "too many reports queued for this policy; retry") from None
+    return {"accepted": True, "jobId": report.job_id, "events": events}
+
+
+async def _pod_facts(
+    state: ReceiverState, namespace: str, name: str, token_uid: str | None
+) -> PodFacts | None:
+    """The pod of a token: from the pod watch, else (not seen yet, or another uid) a GET."""
+    known = state.pods.get((namespace, name))
+    if known is not None and (not token_uid or known.uid == token_uid):
+        return known
+    pod = await asyncio.to_thread(_get_pod, state.core_api, namespace, name)
+    meta = (pod or {}).get("metadata") or {}
+    if pod is None or (token_uid and token_uid != meta.get("uid")):
+        return None
+    return PodFacts(uid=meta.get("uid"), policy=(meta.get("labels") or {}).get(POLICY_LABEL))
+
+
+async def fold_batch(
+    state: ReceiverState, key: tuple[str, str], reports: Sequence[SidecarReport]
+) -> list[int]:
+    """Fold every queued report of one policy into ONE status patch, then post their Events.
+
+    Returns the number of events of each report. Raises :class:`Rejected` for all of them when
+    the policy is gone or its status keeps conflicting.
+    """
+    namespace, name = key
+    for _ in range(8):
+        policy = await asyncio.to_thread(_get_policy, state.custom_api, namespace, name)
+        if policy is None:
+            raise Rejected(
+                404, "policy-not-found", f"CheckpointPolicy {namespace}/{name} not found"
             )
-            if policy is None:
-                raise Rejected(
-                    404,
-                    "policy-not-found",
-                    f"CheckpointPolicy {report.namespace}/{report.policy} not found",
-                )
-            status = policy.get("status") or {}
-            jobs, events = fold_report(status.get("jobs") or [], report, now=datetime.now(UTC))
-            patch: dict[str, Any] = {"jobs": jobs}
-            if jobs[0].get("newestCompleteStep"):
-                patch["newestCompleteStep"] = jobs[0]["newestCompleteStep"]
-            rv = policy["metadata"]["resourceVersion"]
-            if await asyncio.to_thread(
-                _patch_status, state.custom_api, report.namespace, report.policy, rv, patch
-            ):
-                break
-        else:
-            raise Rejected(409, "status-conflict", "the policy status kept changing; retry")
-    for event in events:
-        if state.first_time(event.key):
-            await asyncio.to_thread(post_event, state.core_api, policy, event)
-    return {"accepted": True, "jobId": report.job_id, "events": len(events)}
+        jobs = (policy.get("status") or {}).get("jobs") or []
+        now = datetime.now(UTC)
+        per_report: list[list[EventSpec]] = []
+        for report in reports:
+            jobs, events = fold_report(jobs, report, now=now)
+            per_report.append(events)
+        patch: dict[str, Any] = {"jobs": jobs}
+        if jobs and jobs[0].get("newestCompleteStep"):
+            patch["newestCompleteStep"] = jobs[0]["newestCompleteStep"]
+        rv = policy["metadata"]["resourceVersion"]
+        if await asyncio.to_thread(_patch_status, state.custom_api, namespace, name, rv, patch):
+            break
+    else:
+        raise Rejected(409, "status-conflict", "the policy status kept changing; retry")
+    m.STATUS_PATCHES.inc()
+    m.REPORTS_PER_PATCH.observe(len(reports))
+    for events in per_report:
+        for event in events:
+            if state.first_time(event.key):
+                await asyncio.to_thread(post_event, state.core_api, policy, event)
+    return [len(events) for events in per_report]
 
 
 async def healthz(_: web.Request) -> web.Response:
@@ -473,6 +541,11 @@ async def start_receiver(memo: kopf.Memo, **_: Any) -> None:
         return await handle_report(state, request)
 
     app.add_routes([web.post(REPORT_PATH, _report), web.get("/healthz", healthz)])
+    state.batches = Coalescer(
+        functools.partial(fold_batch, state),
+        interval=state.status_interval,
+        max_pending=MAX_PENDING_PER_POLICY,
+    )
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, state.host, state.port, ssl_context=_ssl_context(state.tls))
@@ -487,21 +560,34 @@ async def stop_receiver(memo: kopf.Memo, **_: Any) -> None:
     if state is not None and state.runner is not None:
         await state.runner.cleanup()
         state.runner = None
+    if state is not None and state.batches is not None:
+        await state.batches.close()
 
 
-@kopf.on.event(
-    "",
-    "v1",
-    "pods",
-    labels={POLICY_LABEL: kopf.PRESENT},
-    annotations={INJECTED_ANNOTATION: kopf.ABSENT},
-)
-async def uninjected_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Report a labelled pod running without the sidecar (C-10, failurePolicy Ignore)."""
+@kopf.on.event("", "v1", "pods", labels={POLICY_LABEL: kopf.PRESENT})
+async def labelled_pod(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """Keep the receiver's view of labelled pods (no GET per report), and report a labelled pod
+    running without the sidecar (C-10, failurePolicy Ignore).
+
+    The pod watch has a server-side label selector (``strata_operator.main.configure``): the
+    operator never receives the cluster's other pods.
+    """
     state: ReceiverState | None = memo.get("receiver")
     meta = body.get("metadata") or {}
+    if state is None:
+        return
+    key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+    if type == "DELETED":
+        state.pods.pop(key, None)
+        return
+    state.pods[key] = PodFacts(
+        uid=meta.get("uid"), policy=(meta.get("labels") or {}).get(POLICY_LABEL)
+    )
     uid = meta.get("uid")
-    if state is None or not uid or uid in state.warned_pods or meta.get("deletionTimestamp"):
+    annotations = meta.get("annotations") or {}
+    if INJECTED_ANNOTATION in annotations:
+        return
+    if not uid or uid in state.warned_pods or meta.get("deletionTimestamp"):
         return
     spec = body.get("spec") or {}
     if any(c.get("name") == SIDECAR_NAME for c in spec.get("initContainers") or []):
@@ -514,7 +600,7 @@ async def uninjected_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     policy_name = str((meta.get("labels") or {}).get(POLICY_LABEL) or "")
     event = EventSpec(
         "Warning",
-        REASON_NOT_PROTECTED,
+        EVENT_NOT_PROTECTED,
         f"pod {ns}/{name} is labelled {POLICY_LABEL}={policy_name} but runs without the Strata "
         "sidecar: it was created while the webhook was unreachable (failurePolicy Ignore) or in "
         "an excluded namespace; its checkpoints are not protected. Recreate the pod.",

@@ -33,11 +33,11 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from strata_operator import conditions as c
-from strata_operator.api import CheckpointPolicySpec, GcsTier
+from strata_operator import constants as k
+from strata_operator.api import CheckpointPolicySpec, GcsTierSpec
+from strata_operator.constants import PSS_ENFORCE_LABEL
+from strata_operator.validation import check_policy_name
 
-PSS_ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
-"""Namespaces enforcing ``baseline`` or ``restricted`` refuse hostPath volumes
-(https://kubernetes.io/docs/concepts/security/pod-security-standards/)."""
 PSS_NO_HOST_PATH = frozenset({"baseline", "restricted"})
 
 
@@ -56,7 +56,7 @@ class InvalidSpec(ReconcileError):
     """The spec breaks a rule; the message lists every broken field and what to write."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(c.REASON_INVALID_SPEC, message)
+        super().__init__(k.REASON_INVALID_SPEC, message)
 
 
 class ApiForbidden(ReconcileError):
@@ -67,20 +67,30 @@ class ApiUnavailable(ReconcileError):
     """The Kubernetes API failed (5xx, connection); retry soon."""
 
     def __init__(self, message: str, retry_after: float = 10.0) -> None:
-        super().__init__(c.REASON_API_ERROR, message, retry_after=retry_after)
+        super().__init__(k.REASON_API_ERROR, message, retry_after=retry_after)
 
 
-def parse_spec(raw: Mapping[str, Any]) -> CheckpointPolicySpec:
-    """The validated spec; :class:`InvalidSpec` naming each bad field (``spec.tiers.ram.keep``)."""
+def parse_spec(raw: Mapping[str, Any], *, name: str | None = None) -> CheckpointPolicySpec:
+    """The validated spec; :class:`InvalidSpec` naming each bad field (``spec.tiers.ram.keep``).
+
+    ``name``: the policy's ``metadata.name``, checked too when given (it must fit a label).
+    """
+    problems = []
     try:
-        return CheckpointPolicySpec.model_validate(dict(raw))
+        spec = CheckpointPolicySpec.model_validate(dict(raw))
     except ValidationError as exc:
-        problems = []
         for err in exc.errors():
             loc = ".".join(str(p) for p in ("spec", *err["loc"]))
             msg = err["msg"].removeprefix("Value error, ")
             problems.append(f"{loc}: {msg}")
-        raise InvalidSpec("invalid spec: " + "; ".join(problems)) from None
+    if name is not None:
+        try:
+            check_policy_name(name)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise InvalidSpec("invalid spec: " + "; ".join(problems))
+    return spec
 
 
 # --- facts ------------------------------------------------------------------------------------
@@ -134,9 +144,9 @@ class Outcome:
 
 def _not_ready(err: ReconcileError) -> Outcome:
     return Outcome(
-        ready=c.NewCondition(c.READY, "False", err.reason, err.message),
+        ready=c.NewCondition(k.READY, "False", err.reason, err.message),
         degraded=c.NewCondition(
-            c.DEGRADED, "Unknown", c.REASON_NOT_EVALUATED, "not evaluated: the policy is not Ready"
+            k.DEGRADED, "Unknown", k.REASON_NOT_EVALUATED, "not evaluated: the policy is not Ready"
         ),
         error=err,
     )
@@ -160,7 +170,7 @@ def evaluate(
     if ram.medium == "HostPath" and pss in PSS_NO_HOST_PATH:
         return _not_ready(
             ReconcileError(
-                c.REASON_HOST_PATH_FORBIDDEN,
+                k.REASON_HOST_PATH_FORBIDDEN,
                 f"spec.tiers.ram.medium is HostPath but namespace {namespace!r} enforces the "
                 f"{pss!r} Pod Security Standard, which refuses hostPath volumes; use medium: "
                 "Memory or relax the namespace's pod-security.kubernetes.io/enforce label",
@@ -174,7 +184,7 @@ def evaluate(
         if not facts.pvc.found:
             return _not_ready(
                 ReconcileError(
-                    c.REASON_PVC_NOT_FOUND,
+                    k.REASON_PVC_NOT_FOUND,
                     f"{claim} not found; create it (ReadWriteMany) or fix spec.tiers.pvc.claimName",
                     retry_after=dependency_retry,
                 )
@@ -182,7 +192,7 @@ def evaluate(
         if facts.pvc.phase == "Lost":
             return _not_ready(
                 ReconcileError(
-                    c.REASON_PVC_LOST,
+                    k.REASON_PVC_LOST,
                     f"{claim} is Lost (its volume is gone); recreate the claim",
                     retry_after=dependency_retry,
                 )
@@ -191,7 +201,7 @@ def evaluate(
             modes = ", ".join(facts.pvc.access_modes) or "none"
             degraded.append(
                 (
-                    c.REASON_PVC_NOT_SHARED,
+                    k.REASON_PVC_NOT_SHARED,
                     f"{claim} has access modes [{modes}], not ReadWriteMany: pods of a multi-node "
                     "job cannot all mount it; use a shared filesystem (Filestore, Lustre, NFS)",
                 )
@@ -207,7 +217,7 @@ def evaluate(
             )
             return _not_ready(
                 ReconcileError(
-                    c.REASON_SECRET_NOT_FOUND,
+                    k.REASON_SECRET_NOT_FOUND,
                     f"Secret {secret_ref.name!r} named by spec.tiers.gcs.credentials.secretRef "
                     f"{what}; create it with the service-account JSON key under that key",
                     retry_after=dependency_retry,
@@ -220,39 +230,39 @@ def evaluate(
         if bucket.outcome in ("not-checked", "forbidden"):
             degraded.append(
                 (
-                    c.REASON_BUCKET_NOT_CHECKED,
+                    k.REASON_BUCKET_NOT_CHECKED,
                     f"bucket gs://{gcs.bucket} was not verified: {bucket.detail}",
                 )
             )
     tiers = ", ".join(spec.configured_tiers())
-    ready = c.NewCondition(c.READY, "True", c.REASON_RECONCILED, f"policy is valid; tiers: {tiers}")
+    ready = c.NewCondition(k.READY, "True", k.REASON_RECONCILED, f"policy is valid; tiers: {tiers}")
     if degraded:
         reason = degraded[0][0]
         message = "; ".join(m for _, m in degraded)
-        return Outcome(ready, c.NewCondition(c.DEGRADED, "True", reason, message))
+        return Outcome(ready, c.NewCondition(k.DEGRADED, "True", reason, message))
     return Outcome(
-        ready, c.NewCondition(c.DEGRADED, "False", c.REASON_AS_EXPECTED, "every check passed")
+        ready, c.NewCondition(k.DEGRADED, "False", k.REASON_AS_EXPECTED, "every check passed")
     )
 
 
-def _bucket_error(gcs: GcsTier, fact: BucketFact, retry: float) -> ReconcileError | None:
+def _bucket_error(gcs: GcsTierSpec, fact: BucketFact, retry: float) -> ReconcileError | None:
     where = f"bucket gs://{gcs.bucket} (spec.tiers.gcs.bucket)"
     if fact.outcome == "not-found":
         return ReconcileError(
-            c.REASON_BUCKET_NOT_FOUND,
+            k.REASON_BUCKET_NOT_FOUND,
             f"{where} does not exist; create it or fix the name ({fact.detail})",
             retry_after=retry,
         )
     if fact.outcome == "forbidden" and gcs.credentials.type == "SecretRef":
         return ReconcileError(
-            c.REASON_BUCKET_FORBIDDEN,
+            k.REASON_BUCKET_FORBIDDEN,
             f"{where} refuses the service account of spec.tiers.gcs.credentials.secretRef; "
             f"grant it roles/storage.objectUser ({fact.detail})",
             retry_after=retry,
         )
     if fact.outcome == "unreachable":
         return ReconcileError(
-            c.REASON_BUCKET_UNREACHABLE,
+            k.REASON_BUCKET_UNREACHABLE,
             f"{where} could not be reached: {fact.detail}",
             retry_after=retry,
         )
@@ -293,7 +303,7 @@ def _read_json(call: Any, *args: Any, timeout: float) -> dict[str, Any] | None:
             return None
         if status == 403:
             raise ApiForbidden(
-                c.REASON_API_ERROR,
+                k.REASON_API_ERROR,
                 f"the operator may not read {call.__name__} {args!r}: {exc.reason}; "
                 "grant it get on persistentvolumeclaims, secrets and namespaces",
                 retry_after=60.0,
@@ -379,7 +389,7 @@ def _b64(value: str | None) -> str | None:
 
 
 def check_bucket_reachable(
-    gcs: GcsTier, secret: SecretFact | None, *, timeout: float = 10.0
+    gcs: GcsTierSpec, secret: SecretFact | None, *, timeout: float = 10.0
 ) -> BucketFact:
     """Ask GCS for the bucket's metadata (``storage.buckets.get``); never raises.
 

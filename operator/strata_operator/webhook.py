@@ -48,26 +48,21 @@ from typing import Any, Literal
 import jsonpatch
 import kopf
 
-from strata_operator import api, certs, conditions
+from strata_operator import api, certs, conditions, pod_checks
+from strata_operator import constants as k
 from strata_operator import metrics as m
-from strata_operator.mutation import (
-    POLICY_LABEL,
-    InjectionError,
-    InjectionSettings,
-    build_pod_patch,
-    build_workload_patch,
-)
+from strata_operator.constants import DENIAL_PREFIX, MANAGED_BY, POD_WEBHOOK, POLICY_LABEL
+from strata_operator.mutation import InjectionError, InjectionSettings, build_pod_patch
+from strata_operator.workloads import build_workload_patch
 
 log = logging.getLogger("strata.webhook")
 
-POD_WEBHOOK = "inject-pods"
 WORKLOAD_WEBHOOKS: dict[str, tuple[str, str, str]] = {
     "label-jobs": ("batch", "v1", "jobs"),
     "label-jobsets": ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
     "label-pytorchjobs": ("kubeflow.org", "v1", "pytorchjobs"),
 }
 ANNOTATED = "has(object.metadata.annotations) && 'strata.dev/policy' in object.metadata.annotations"
-MANAGED_BY = {"app.kubernetes.io/managed-by": "strata-operator"}
 DENY_MISSING_POLICY = 403
 DENY_INVALID = 422
 
@@ -308,7 +303,7 @@ class WebhookState:
 
 
 def _not_ready_warning(policy: Mapping[str, Any]) -> str | None:
-    cond = conditions.find((policy.get("status") or {}).get("conditions") or [], conditions.READY)
+    cond = conditions.find((policy.get("status") or {}).get("conditions") or [], k.READY)
     if cond is None or cond.get("status") != "False":
         return None
     meta = policy.get("metadata") or {}
@@ -316,6 +311,11 @@ def _not_ready_warning(policy: Mapping[str, Any]) -> str | None:
         f"CheckpointPolicy {meta.get('namespace')}/{meta.get('name')} is not Ready "
         f"({cond.get('reason')}): {cond.get('message')}"
     )
+
+
+def _strata(message: str) -> str:
+    """``message`` with the "Strata: " prefix every denial carries (once)."""
+    return message if message.startswith(DENIAL_PREFIX) else DENIAL_PREFIX + message
 
 
 def _apply_ops(ops: list[dict[str, Any]], raw_body: dict[str, Any]) -> None:
@@ -343,6 +343,12 @@ async def _admit(
         if policy_name is None:
             outcome = "unchanged"
             return []
+        if kind == "Pod" and pod_checks.fully_injected(raw):
+            # Reinvocation (the API server calls again after later admission plugins changed the
+            # pod, e.g. the ServiceAccount plugin mounting a token into our sidecar): nothing to
+            # add, so no policy read and no work.
+            outcome = "reinvoked"
+            return []
         policy = await state.get_policy(namespace, policy_name)
         try:
             ops = build(raw, policy, state, namespace)
@@ -354,11 +360,21 @@ async def _admit(
         outcome = ("injected" if kind == "Pod" else "labelled") if ops else "unchanged"
         return ops
     except kopf.AdmissionError as exc:
-        outcome = "denied" if (exc.code or 500) < 500 else "error"
-        raise
+        code = exc.code or DENY_INVALID
+        outcome = "denied" if code < 500 else "error"
+        raise kopf.AdmissionError(_strata(str(exc)), code=code) from None
     except Exception as exc:
+        # Never a 5xx for a policy the API accepted: a bug here refuses the object with a
+        # message instead of an opaque webhook failure (and counts as outcome "error").
         log.exception("admission of a %s failed", kind)
-        raise kopf.AdmissionError(f"Strata webhook error on {kind}: {exc!r}", code=500) from None
+        raise kopf.AdmissionError(
+            _strata(
+                f"internal error while mutating the {kind} ({type(exc).__name__}: {exc}); "
+                f"this is a bug in Strata, please report it; meanwhile remove the "
+                f"{POLICY_LABEL} label/annotation to create the {kind} without Strata"
+            ),
+            code=DENY_INVALID,
+        ) from None
     finally:
         m.ADMISSION_REQUESTS.labels(kind=kind, outcome=outcome).inc()
         m.ADMISSION_DURATION.labels(kind=kind).observe(time.perf_counter() - start)

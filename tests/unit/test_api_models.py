@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from strata.config import StrataConfig
-from strata_operator import api
+from strata_operator import api, validation
 from strata_operator.reconcile import InvalidSpec, parse_spec
 from tests.fixtures.policies import InvalidCase, PolicyBuilder, invalid_policies
 
@@ -66,21 +66,21 @@ def test_models_are_frozen_and_dump_back_to_kubernetes_json() -> None:
     [("16Gi", 16 * 2**30), ("1Mi", 2**20), ("1G", 10**9), ("1.5Gi", 3 * 2**29), ("1e3", 1000)],
 )
 def test_quantities_parse_like_kubernetes(text: str, value: int) -> None:
-    assert api.quantity_bytes(text) == value
+    assert validation.quantity_bytes(text) == value
 
 
 @pytest.mark.parametrize(
     ("text", "seconds"), [("90s", 90), ("15m", 900), ("1h30m", 5400), ("1.5s", 1.5)]
 )
 def test_durations_parse_like_go(text: str, seconds: float) -> None:
-    assert api.parse_duration(text) == seconds
+    assert validation.parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize(
     "name", ["my-ckpts", "a_b", "abc", "ckpt.example.com", "a" * 63, ".".join(["a" * 63] * 3)]
 )
 def test_valid_bucket_names_pass(name: str) -> None:
-    assert api.check_bucket_name(name) == name
+    assert validation.check_bucket_name(name) == name
 
 
 def test_secret_ref_credentials_parse() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from strata_operator import api, crdgen
+from strata_operator import api, crdgen, validation
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +89,7 @@ def test_cross_field_rules_are_cel(crd: dict[str, Any]) -> None:
     assert "duration(self.gcs.every.duration) >= duration(self.pvc.every.duration)" in tier_rules
     assert any("has(self.tiers.pvc)" in r for r in rules[".spec"])
     assert any("exists_one" in r for r in rules[".spec.restore.order"])
-    assert len(rules[".spec.tiers.gcs.bucket"]) == len(api.BUCKET_RULES)
+    assert len(rules[".spec.tiers.gcs.bucket"]) == len(validation.BUCKET_RULES)
     assert any("quantity(" in r for r in rules[".spec.tiers.ram.sizeLimit"])
     assert any("hostPath" in r for r in rules[".spec.tiers.ram"])
     for path, node in props.items():

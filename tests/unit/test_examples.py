@@ -19,9 +19,8 @@ from strata_operator.mutation import (
     SIDECAR_NAME,
     InjectionSettings,
     build_pod_patch,
-    build_workload_patch,
-    pod_template_paths,
 )
+from strata_operator.workloads import build_workload_patch, pod_template_paths
 
 pytestmark = pytest.mark.unit
 

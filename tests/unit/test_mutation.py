@@ -20,10 +20,10 @@ from strata_operator.mutation import (
     InjectionError,
     InjectionSettings,
     build_pod_patch,
-    build_workload_patch,
     escape_pointer,
     job_id_for,
 )
+from strata_operator.workloads import build_workload_patch
 from tests.fixtures.pods import (
     PodBuilder,
     job_obj,
@@ -144,8 +144,11 @@ def test_keeps_existing_init_containers_native_sidecars_env_and_unknown_fields()
     assert {op["op"] for op in ops} == {"add"}
 
 
-def test_user_env_and_mounts_win() -> None:
-    pod = inject(
+def test_user_env_and_mounts_that_collide_with_strata_are_refused() -> None:
+    # Issue 15: a user's POD_NAME or a mount at Strata's RAM path used to win silently, so the
+    # trainer ran with another identity or RAM tier than the sidecar. Now the pod is refused
+    # with what to change, and the user's objects are never rewritten.
+    pod = (
         PodBuilder("p")
         .policy("fast")
         .container(
@@ -156,11 +159,24 @@ def test_user_env_and_mounts_win() -> None:
         .volume("scratch", emptyDir={})
         .obj()
     )
-    train = pod["spec"]["containers"][0]
+    with pytest.raises(InjectionError) as err:
+        build_pod_patch(pod, policy_obj(), SETTINGS)
+    assert "env POD_NAME" in str(err.value) and "metadata.name" in str(err.value)
+    assert "/strata/ram" in str(err.value) and "move that mount" in str(err.value)
+    # The same downward-API field the webhook would set is not a conflict: kept as it is.
+    same = inject(
+        PodBuilder("p")
+        .policy("fast")
+        .container(
+            "train",
+            env=[{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        )
+        .obj()
+    )
+    train = same["spec"]["containers"][0]
     assert [e for e in train["env"] if e["name"] == "POD_NAME"] == [
-        {"name": "POD_NAME", "value": "custom"}
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
     ]
-    assert [m["mountPath"] for m in train["volumeMounts"]].count("/strata/ram") == 1
 
 
 def test_restricted_pod_stays_restricted() -> None:

@@ -1,0 +1,136 @@
+"""Every name the operator writes into or reads from the cluster, in one place.
+
+Labels, annotations, condition types and reasons, Event reasons, the names of what the webhook
+injects (container, volumes, mounts, env, port), kopf's storage keys. Rule of this module: plain
+constants only (no logic, no imports beyond typing), so that every other layer may import it.
+A name here is part of the API users see (``kubectl describe``, their pod specs): changing one is
+a breaking change.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- labels and annotations -------------------------------------------------------------------
+
+DOMAIN: Final = "strata.dev"
+POLICY_LABEL: Final = "strata.dev/policy"
+"""Pod label (and workload annotation) naming the CheckpointPolicy in the pod's namespace."""
+RUN_ID_ANNOTATION: Final = "strata.dev/run-id"
+"""Overrides the job id so that a resubmitted run continues from its checkpoints."""
+INJECTED_ANNOTATION: Final = "strata.dev/injected"
+"""Marker set on injected pods; value: the policy name."""
+REPORT_CA_ANNOTATION: Final = "strata.dev/report-ca"
+"""PEM bundle of the report endpoint's CA, projected into the token volume as ``ca.crt``."""
+OWNED_ANNOTATIONS: Final = (INJECTED_ANNOTATION, REPORT_CA_ANNOTATION)
+"""Annotations only the webhook writes; a pod that brings its own is refused."""
+MANAGED_BY: Final = {"app.kubernetes.io/managed-by": "strata-operator"}
+
+JOBSET_NAME_LABEL: Final = "jobset.sigs.k8s.io/jobset-name"
+PYTORCHJOB_NAME_LABEL: Final = "training.kubeflow.org/job-name"
+JOB_NAME_LABELS: Final = ("batch.kubernetes.io/job-name", "job-name")
+PSS_ENFORCE_LABEL: Final = "pod-security.kubernetes.io/enforce"
+"""Namespaces enforcing ``baseline`` or ``restricted`` refuse hostPath volumes
+(https://kubernetes.io/docs/concepts/security/pod-security-standards/)."""
+
+# --- what the webhook injects -----------------------------------------------------------------
+
+SIDECAR_NAME: Final = "strata-sidecar"
+RAM_VOLUME: Final = "strata-ram"
+PVC_VOLUME: Final = "strata-pvc"
+TOKEN_VOLUME: Final = "strata-token"
+VOLUMES: Final = (RAM_VOLUME, PVC_VOLUME, TOKEN_VOLUME)
+TOKEN_DIR: Final = "/var/run/secrets/strata.dev"
+TOKEN_FILE: Final = "token"
+CA_FILE: Final = "ca.crt"
+METRICS_PORT_NAME: Final = "strata-metrics"
+CONFIG_ENV: Final = "STRATA_CONFIG"
+"""The sidecar contract's env var (``strata.config.ENV_CONFIG``; checked equal in the tests)."""
+STRATA_ENV_PREFIX: Final = "STRATA_"
+"""Env vars with this prefix belong to Strata; a container that sets one is refused."""
+
+RANK_LABELS: Final[tuple[tuple[str, str], ...]] = (
+    ("STRATA_JOBSET_JOB_INDEX", "jobset.sigs.k8s.io/job-index"),
+    ("STRATA_JOBSET_JOB_GLOBAL_INDEX", "jobset.sigs.k8s.io/job-global-index"),
+    ("STRATA_JOBSET_REPLICATED_JOB", "jobset.sigs.k8s.io/replicatedjob-name"),
+    ("STRATA_COMPLETION_INDEX", "batch.kubernetes.io/job-completion-index"),
+    ("STRATA_REPLICA_TYPE", "training.kubeflow.org/replica-type"),
+    ("STRATA_REPLICA_INDEX", "training.kubeflow.org/replica-index"),
+)
+"""(env var, pod label) pairs wired through the downward API when the label is present."""
+POD_FIELD_ENV: Final[tuple[tuple[str, str], ...]] = (
+    ("POD_NAME", "metadata.name"),
+    ("POD_NAMESPACE", "metadata.namespace"),
+    ("POD_UID", "metadata.uid"),
+    ("NODE_NAME", "spec.nodeName"),
+)
+"""(env var, downward-API field) pairs; a container may already set the same var to the same
+field (kept), not to anything else (refused)."""
+
+# --- admission --------------------------------------------------------------------------------
+
+POD_WEBHOOK: Final = "inject-pods"
+DENIAL_PREFIX: Final = "Strata: "
+"""Every admission denial starts with this, so a user sees who refused the pod."""
+MAX_ANNOTATIONS_BYTES: Final = 256 * 1024
+"""Kubernetes' limit on the total size of an object's annotation keys and values
+(apimachinery ``TotalAnnotationSizeLimitB``)."""
+
+# --- condition types and reasons (status.conditions; also the Events of a Ready change) -------
+
+READY: Final = "Ready"
+"""The policy is valid and every configured tier is usable: workloads may name it."""
+DEGRADED: Final = "Degraded"
+"""The policy works but something reduces protection (e.g. a PVC that is not ReadWriteMany)."""
+
+REASON_RECONCILED: Final = "Reconciled"
+REASON_INVALID_SPEC: Final = "InvalidSpec"
+REASON_PVC_NOT_FOUND: Final = "PvcNotFound"
+REASON_PVC_LOST: Final = "PvcLost"
+REASON_SECRET_NOT_FOUND: Final = "SecretNotFound"
+REASON_BUCKET_NOT_FOUND: Final = "BucketNotFound"
+REASON_BUCKET_FORBIDDEN: Final = "BucketForbidden"
+REASON_BUCKET_UNREACHABLE: Final = "BucketUnreachable"
+REASON_HOST_PATH_FORBIDDEN: Final = "HostPathForbidden"
+REASON_API_ERROR: Final = "ApiError"
+
+REASON_AS_EXPECTED: Final = "AsExpected"
+REASON_PVC_NOT_SHARED: Final = "PvcNotShared"
+REASON_BUCKET_NOT_CHECKED: Final = "BucketNotChecked"
+REASON_NOT_EVALUATED: Final = "NotEvaluated"
+
+CONDITION_REASONS: Final = frozenset(
+    {
+        REASON_RECONCILED,
+        REASON_INVALID_SPEC,
+        REASON_PVC_NOT_FOUND,
+        REASON_PVC_LOST,
+        REASON_SECRET_NOT_FOUND,
+        REASON_BUCKET_NOT_FOUND,
+        REASON_BUCKET_FORBIDDEN,
+        REASON_BUCKET_UNREACHABLE,
+        REASON_HOST_PATH_FORBIDDEN,
+        REASON_API_ERROR,
+        REASON_AS_EXPECTED,
+        REASON_PVC_NOT_SHARED,
+        REASON_BUCKET_NOT_CHECKED,
+        REASON_NOT_EVALUATED,
+    }
+)
+
+# --- Event reasons of the report receiver -----------------------------------------------------
+
+EVENT_RESTORED: Final = "Restored"
+EVENT_FRESH_START: Final = "FreshStart"
+EVENT_RESTORE_FAILED: Final = "RestoreFailed"
+EVENT_TIER_FAILED: Final = "TierFailed"
+EVENT_NOT_PROTECTED: Final = "NotProtected"
+
+# --- kopf storage and API identity ------------------------------------------------------------
+
+PERSISTENCE_PREFIX: Final = "strata.dev"
+FINALIZER: Final = "strata.dev/finalizer"
+"""Configured so kopf never uses its own name; no handler makes kopf add it (C-13)."""
+FIELD_MANAGER: Final = "strata-operator"
+COMPONENT: Final = "strata-operator"
+"""``source.component`` / ``reportingComponent`` of the Events the operator posts."""
