@@ -117,7 +117,7 @@ def conflicts(
     if size > MAX_ANNOTATIONS_BYTES:
         problems.append(
             f"the pod's annotations would take {size} bytes with Strata's (report CA "
-            f"certificate), over Kubernetes' limit of {MAX_ANNOTATIONS_BYTES} bytes; make the "
+            f"certificate), over Kubernetes' limit of {MAX_ANNOTATIONS_BYTES} bytes (256 KiB); make the "
             "pod's own annotations smaller"
         )
     return problems
