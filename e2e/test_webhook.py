@@ -221,10 +221,16 @@ def odd_pod(rng: random.Random, i: int, namespace: str) -> tuple[dict[str, Any],
             extra["resources"] = {"requests": {"cpu": "100m", "memory": "64Mi"}}
         elif r < 0.5:
             extra["resources"] = {"limits": {"cpu": "1", "memory": "1Gi"}}
+        # Issue 15: a literal POD_NAME or a mount at Strata's RAM path used to win silently
+        # (the trainer then ran with another identity or RAM tier than the sidecar): refused.
         if rng.random() < 0.2:
             extra["env"] = [{"name": "POD_NAME", "value": "mine"}, {"name": "X", "value": "y"}]
+            if roll >= 0.09:
+                expect = "deny:env POD_NAME"
         if rng.random() < 0.1:
             extra["volumeMounts"] = [{"name": "scratch", "mountPath": "/strata/ram"}]
+            if roll >= 0.09:
+                expect = "deny:/strata/ram"
         b.container(cname, **extra)
     if any("volumeMounts" in c for c in b.obj()["spec"]["containers"]):
         b.volume("scratch", emptyDir={})
@@ -292,6 +298,7 @@ def test_generated_odd_pods_never_5xx_and_denials_say_why(
             assert expect.startswith("deny:"), f"pod #{i} refused unexpectedly: {message}"
             assert expect.removeprefix("deny:") in message, (i, message)
             assert "denied the request" in message, message
+            assert "Strata: " in message, message
             results.append((expect, exc.status, message))
             continue
         latencies_injected.append(time.perf_counter() - start)

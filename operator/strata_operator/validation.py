@@ -483,7 +483,7 @@ ImageReference = Annotated[
 STANDARD_RESOURCES: Final = ("cpu", "memory", "ephemeral-storage")
 HUGEPAGES_PATTERN: Final = r"^hugepages-[0-9]+(Ki|Mi|Gi)$"
 EXTENDED_PATTERN: Final = (
-    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
     r"/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
 """An extended resource (``nvidia.com/gpu``): a domain-prefixed name, as corev1 requires."""
@@ -502,7 +502,10 @@ _NAME_RULE: Final = (
 )
 _Q = "quantity(string(self[k]))"
 _VALUE_RULES: Final[tuple[tuple[str, str], ...]] = (
-    (f"self.all(k, {_Q}.sign() >= 0)", "resource quantities must not be negative"),
+    (
+        f"self.all(k, !{_Q}.isLessThan(quantity('0')))",
+        "resource quantities must not be negative",
+    ),
     (
         f"self.all(k, k != 'cpu' || {_Q}.compareTo(quantity('{MAX_CPU}')) <= 0)",
         f"cpu must be at most {MAX_CPU} (cores); write e.g. 250m or 2",
@@ -570,6 +573,7 @@ ResourceList = Annotated[
             "maxProperties": 8,
             "additionalProperties": {
                 "anyOf": [{"type": "integer"}, {"type": "string"}],
+                "maxLength": 64,
                 "pattern": QUANTITY_PATTERN,
                 "x-kubernetes-int-or-string": True,
             },
