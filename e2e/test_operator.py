@@ -681,3 +681,60 @@ def test_c13_namespace_with_a_policy_terminates_with_the_operator_running_or_sto
             assert op.alive() and op.errors() == []
     finally:
         op.stop()
+
+
+# --- issue 15 ---------------------------------------------------------------------------------
+
+
+def test_a_created_pvc_makes_its_policy_ready_at_once_not_at_the_next_retry(
+    k8s_cluster: LocalCluster, crd: None, kube: Any, k8s_namespace: str, tmp_path: Path
+) -> None:
+    """Status reacts to the dependency, not to kopf's retry timer: with a retry of 10 minutes
+    the policy still becomes Ready once its PVC exists (before: 18-28 s with a 30 s retry), and
+    turns Ready=False again when the PVC is deleted."""
+    ns = k8s_namespace
+    op = Operator(k8s_cluster, tmp_path, None)
+    op.start("--dependency-retry", "600", "--no-bucket-check")
+    try:
+        create_policy(kube, PolicyBuilder("waits", ns).pvc("later").obj())
+        missing = condition(wait_ready(kube, ns, "waits", status="False"), k.READY)
+        assert missing is not None and missing["reason"] == k.REASON_PVC_NOT_FOUND
+        create_pvc(kube, ns, "later")
+        ready = condition(wait_ready(kube, ns, "waits"), k.READY)
+        assert ready is not None and ready["reason"] == k.REASON_RECONCILED
+        client.CoreV1Api(kube).delete_namespaced_persistent_volume_claim("later", ns)
+        gone = condition(wait_ready(kube, ns, "waits", status="False"), k.READY)
+        assert gone is not None and gone["reason"] == k.REASON_PVC_NOT_FOUND
+        reasons = [e["reason"] for e in events_for(kube, ns, "waits")]
+        assert reasons.count(k.REASON_RECONCILED) == 1, reasons
+        assert op.alive() and op.errors() == []
+    finally:
+        op.stop()
+
+
+def test_a_policy_with_annotations_near_the_limit_is_still_tracked(
+    operator: Operator, kube: Any, k8s_namespace: str
+) -> None:
+    """kopf used to copy labels and annotations into its last-handled-configuration annotation:
+    a policy with 150 KiB of annotations could never be marked handled (the copy broke the
+    256 KiB limit). The essence is now a digest: the policy is reconciled and updates work."""
+    ns = k8s_namespace
+    body = PolicyBuilder("annotated", ns).obj()
+    body["metadata"]["annotations"] = {"example.com/notes": "n" * (150 * 1024)}
+    create_policy(kube, body)
+    wait_ready(kube, ns, "annotated", generation=1)
+    patch_policy(kube, ns, "annotated", {"spec": {"tiers": {"ram": {"keep": 3}}}})
+    policy = wait_ready(kube, ns, "annotated", generation=2)
+    stored = policy["metadata"]["annotations"].get("strata.dev/last-handled-configuration", "")
+    assert 0 < len(stored) < 512, stored
+    assert operator.alive() and operator.errors() == []
+
+
+def test_a_policy_name_longer_than_a_label_value_is_refused(
+    kube: Any, k8s_namespace: str, crd: None
+) -> None:
+    with pytest.raises(ApiException) as err:
+        create_policy(kube, PolicyBuilder("p" * 64, k8s_namespace).obj())
+    assert err.value.status == 422
+    assert "at most 63 characters" in json.loads(err.value.body)["message"]
+    create_policy(kube, PolicyBuilder("p" * 63, k8s_namespace).obj())

@@ -30,13 +30,14 @@ list their module names in :data:`EXTENSION_MODULES`. A module may also define
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import importlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
@@ -47,6 +48,8 @@ from strata_operator import api, metrics
 from strata_operator import conditions as c
 from strata_operator import constants as k
 from strata_operator.constants import FIELD_MANAGER, FINALIZER, PERSISTENCE_PREFIX, POLICY_LABEL
+from strata_operator.dependencies import PVC, SECRET, DependencyIndex, Kind
+from strata_operator.receiver import EventSpec, post_event
 from strata_operator.reconcile import (
     InvalidSpec,
     Outcome,
@@ -132,6 +135,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.networking.request_timeout = 30
     settings.networking.connect_timeout = 10
     settings.execution.max_workers = 8
+    memo.setdefault("dependencies", DependencyIndex())
     if "clients" not in memo:
         from kubernetes import client, config
 
@@ -140,12 +144,19 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 
 def _reconcile(
-    spec: dict[str, Any], namespace: str, name: str, opts: Options, clients: Clients
+    spec: dict[str, Any],
+    namespace: str,
+    name: str,
+    opts: Options,
+    clients: Clients,
+    deps: DependencyIndex,
 ) -> Outcome:
     try:
         parsed = parse_spec(spec, name=name)
     except InvalidSpec as err:
+        deps.record(namespace, name, None)
         return invalid(err)
+    deps.record(namespace, name, parsed)
     facts = gather(
         clients.core_v1,
         parsed,
@@ -205,6 +216,10 @@ def _ready_changed(old: dict[str, Any] | None, patch: dict[str, Any]) -> bool:
     )
 
 
+Emit = Callable[[str, str, str], None]
+"""Post an Event on the policy: (type, reason, message)."""
+
+
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
 @kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
 @kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
@@ -224,47 +239,138 @@ def reconcile_policy(
     stored in status by kopf."""
     opts: Options = memo.get("options") or Options()
     clients: Clients = memo["clients"]
+    deps: DependencyIndex = memo["dependencies"]
     assert namespace is not None  # the CRD is namespaced
-    old_status = dict(status)
+
+    def emit(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message)
+
     with metrics.timed_reconcile():
-        _reconcile_and_report(body, spec, old_status, namespace, name, meta, opts, clients, logger)
-
-
-def _reconcile_and_report(
-    body: kopf.Body,
-    spec: kopf.Spec,
-    old_status: dict[str, Any],
-    namespace: str,
-    name: str,
-    meta: kopf.Meta,
-    opts: Options,
-    clients: Clients,
-    logger: logging.Logger | logging.LoggerAdapter[Any],
-) -> None:
-    try:
-        outcome = _reconcile(dict(spec), namespace, name, opts, clients)
-        patch = new_status(old_status, outcome, generation=meta.get("generation"))
-        if _changed(old_status, patch) and not _patch_status(clients, namespace, name, patch):
-            logger.info("policy is gone; nothing to reconcile")
-            return
-    except ReconcileError as err:
-        # Neither the facts nor the status could be read/written: the API is the problem.
-        raise kopf.TemporaryError(err.message, delay=err.retry_after or opts.api_retry) from None
-    ready = outcome.ready
-    if _ready_changed(old_status, patch):
-        kopf.event(
-            body,
-            type="Normal" if ready.status == "True" else "Warning",
-            reason=ready.reason,
-            message=ready.message,
+        problem = _reconcile_and_report(
+            dict(spec),
+            dict(status),
+            namespace,
+            name,
+            meta.get("generation"),
+            opts,
+            clients,
+            deps,
+            emit,
+            logger,
         )
-    logger.info("Ready=%s (%s): %s", ready.status, ready.reason, ready.message)
-    problem = outcome.error
     if problem is None:
         return
     if problem.retry_after is None:
         raise kopf.PermanentError(problem.message)
     raise kopf.TemporaryError(problem.message, delay=problem.retry_after)
+
+
+def _reconcile_and_report(
+    spec: dict[str, Any],
+    old_status: dict[str, Any],
+    namespace: str,
+    name: str,
+    generation: int | None,
+    opts: Options,
+    clients: Clients,
+    deps: DependencyIndex,
+    emit: Emit,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> ReconcileError | None:
+    """One reconcile: decide, ONE status patch, then the Event of a Ready change.
+
+    Returns the problem that keeps the policy from Ready (None when Ready); raises
+    ``kopf.TemporaryError`` when the API itself fails.
+    """
+    with deps.lock(namespace, name):
+        try:
+            outcome = _reconcile(spec, namespace, name, opts, clients, deps)
+            patch = new_status(old_status, outcome, generation=generation)
+            if _changed(old_status, patch) and not _patch_status(clients, namespace, name, patch):
+                logger.info("policy is gone; nothing to reconcile")
+                deps.forget(namespace, name)
+                return None
+        except ReconcileError as err:
+            # Neither the facts nor the status could be read/written: the API is the problem.
+            raise kopf.TemporaryError(
+                err.message, delay=err.retry_after or opts.api_retry
+            ) from None
+    ready = outcome.ready
+    if _ready_changed(old_status, patch):
+        emit("Normal" if ready.status == "True" else "Warning", ready.reason, ready.message)
+    logger.info("Ready=%s (%s): %s", ready.status, ready.reason, ready.message)
+    return outcome.error
+
+
+def recheck_dependents(memo: Any, namespace: str, kind: Kind, name: str) -> list[str]:
+    """Reconcile every policy that names this PVC/Secret, now (it was created, changed or
+    deleted); returns their names. Runs in a worker thread (blocking API calls)."""
+    deps: DependencyIndex = memo["dependencies"]
+    clients: Clients = memo["clients"]
+    opts: Options = memo.get("options") or Options()
+    done = []
+    for policy_name in deps.dependents(namespace, kind, name):
+        policy = _get_policy(clients, namespace, policy_name)
+        if policy is None:
+            deps.forget(namespace, policy_name)
+            continue
+
+        def emit(type_: str, reason: str, message: str, policy: dict[str, Any] = policy) -> None:
+            post_event(clients.core_v1, policy, EventSpec(type_, reason, message))
+
+        try:
+            _reconcile_and_report(
+                dict(policy.get("spec") or {}),
+                dict(policy.get("status") or {}),
+                namespace,
+                policy_name,
+                (policy.get("metadata") or {}).get("generation"),
+                opts,
+                clients,
+                deps,
+                emit,
+                log,
+            )
+        except kopf.TemporaryError as err:
+            log.warning(
+                "re-check of %s/%s after %s %s: %s", namespace, policy_name, kind, name, err
+            )
+            continue
+        done.append(policy_name)
+    return done
+
+
+def _get_policy(clients: Clients, namespace: str, name: str) -> dict[str, Any] | None:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        obj: dict[str, Any] = clients.custom.get_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, name, _request_timeout=30
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return obj
+
+
+@kopf.on.event("", "v1", "persistentvolumeclaims")
+async def pvc_changed(
+    name: str, namespace: str | None, memo: Any, type: str | None, **_: Any
+) -> None:
+    """A PVC appeared, changed or went away: re-check the policies that name it, at once."""
+    if type is None or namespace is None:  # the initial listing: the reconciles see it anyway
+        return
+    await asyncio.to_thread(recheck_dependents, memo, namespace, PVC, name)
+
+
+async def secret_changed(
+    name: str, namespace: str | None, memo: Any, type: str | None, **_: Any
+) -> None:
+    """As :func:`pvc_changed`, for credentials Secrets (registered with ``--watch-secrets``)."""
+    if type is None or namespace is None:
+        return
+    await asyncio.to_thread(recheck_dependents, memo, namespace, SECRET, name)
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -315,6 +421,12 @@ def build_parser(extensions: Sequence[ModuleType] = ()) -> argparse.ArgumentPars
         help="timeout of the bucket reachability check (default %(default)s)",
     )
     parser.add_argument("--no-bucket-check", action="store_true", help="do not contact GCS at all")
+    parser.add_argument(
+        "--watch-secrets",
+        action="store_true",
+        help="watch Secrets (needs list/watch on secrets) so that a created credentials Secret "
+        "makes its policy Ready at once; without it, within --dependency-retry",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     parser.add_argument("--debug", action="store_true", help="log at DEBUG")
     for ext in extensions:
@@ -357,6 +469,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         hook = getattr(ext, "configure", None)
         if hook is not None:
             hook(args, memo)
+    if args.watch_secrets:
+        kopf.on.event("", "v1", "secrets")(secret_changed)
     namespaces = tuple(args.namespace)
     kopf.run(
         standalone=True,

@@ -632,6 +632,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="audience of the projected tokens (default %(default)s)",
     )
     g.add_argument(
+        "--status-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between two status patches of one policy; reports in between are folded "
+        "into the next one (default %(default)s)",
+    )
+    g.add_argument(
         "--metrics-port", type=int, default=8095, help="plain-HTTP /metrics port (0: off)"
     )
     g.add_argument("--metrics-listen", default="0.0.0.0")
@@ -653,6 +661,7 @@ def configure(args: argparse.Namespace, memo: kopf.Memo) -> None:
         auth_api=client.AuthenticationV1Api(),
         core_api=client.CoreV1Api(),
         custom_api=memo["webhook"].custom_api,
+        status_interval=args.status_interval,
     )
     if args.metrics_port:
         m.serve(args.metrics_port, args.metrics_listen)
