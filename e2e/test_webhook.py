@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from tests.fixtures.pods import PodBuilder, job_obj, jobset_obj, policy_obj, pytorchjob_obj
@@ -23,12 +25,14 @@ from tests.fixtures.pods import PodBuilder, job_obj, jobset_obj, policy_obj, pyt
 from e2e.cluster import LocalCluster
 from e2e.operator_fixtures import OPERATOR_NAMESPACE, OperatorProcess, ensure_namespace
 from strata.config import StrataConfig
+from strata_operator import validation
 from strata_operator.mutation import (
     INJECTED_ANNOTATION,
     POLICY_LABEL,
     RANK_LABELS,
     SIDECAR_NAME,
 )
+from strata_operator.reconcile import InvalidSpec, parse_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -426,3 +430,283 @@ def test_c11_restart_with_a_new_certificate_keeps_pod_creation_working(
             PodBuilder(f"after-restart-{i}", k8s_namespace).policy("fast").container("c").obj(),
         )
         assert sidecar_of(pod) is not None
+
+
+# --- issue 15: pods that cannot be injected, reinvocation, pod-level resources ----------------
+
+
+def _admissions(op: OperatorProcess, outcome: str) -> float:
+    return op.metric("strata_admission_requests_total", kind="Pod", outcome=outcome)
+
+
+def test_colliding_and_windows_pods_are_refused_by_strata_with_what_to_change(
+    operator_running: OperatorProcess, api: client.ApiClient, k8s_namespace: str
+) -> None:
+    """Before, these were injected silently with the user's object winning (a hostPath named
+    strata-ram became the RAM tier), or refused by the apiserver with no word of Strata."""
+    ns = k8s_namespace
+    create_policy(api, ns, pvc=None)
+
+    def pod(name: str) -> PodBuilder:
+        return PodBuilder(name, ns).policy("fast").container("train")
+
+    cases: list[tuple[dict[str, Any], list[str]]] = [
+        (pod("init-named").init_container(SIDECAR_NAME).obj(), ["init container", "rename it"]),
+        (pod("vol").volume("strata-ram", hostPath={"path": "/tmp/x"}).obj(), ["strata-ram"]),
+        (
+            PodBuilder("envc", ns)
+            .policy("fast")
+            .container("train", env=[{"name": "STRATA_CONFIG", "value": "{}"}])
+            .obj(),
+            ["STRATA_CONFIG"],
+        ),
+        (
+            PodBuilder("port", ns)
+            .policy("fast")
+            .container("train", ports=[{"containerPort": 9464}])
+            .obj(),
+            ["9464"],
+        ),
+        (pod("annot").annotation(INJECTED_ANNOTATION, "fast").obj(), [INJECTED_ANNOTATION]),
+        (pod("windows").spec_field("os", {"name": "windows"}).obj(), ["windows"]),
+        (pod("huge").annotation("example.com/blob", "x" * (256 * 1024 - 64)).obj(), ["256 KiB"]),
+    ]
+    for obj, fragments in cases:
+        name = obj["metadata"]["name"]
+        with pytest.raises(ApiException) as err:
+            create_pod(api, ns, obj)
+        message = denial(err.value)
+        assert err.value.status == 422, (name, err.value.status, message)
+        assert "Strata: " in message, (name, message)
+        for fragment in fragments:
+            assert fragment in message, (name, message)
+
+
+def test_pod_level_resources_are_raised_so_the_apiserver_accepts_the_pod(
+    operator_running: OperatorProcess, api: client.ApiClient, k8s_namespace: str
+) -> None:
+    ns = k8s_namespace
+    create_policy(api, ns, pvc=None, ram_size="1Gi")
+    obj = (
+        PodBuilder("podlevel", ns)
+        .policy("fast")
+        .container("train", resources={"requests": {"cpu": "1", "memory": "1Gi"}})
+        .spec_field(
+            "resources", {"requests": {"cpu": "2", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+        )
+        .obj()
+    )
+    created = create_pod(api, ns, obj)
+    assert sidecar_of(created) is not None
+    pod_level = created["spec"]["resources"]
+    assert pod_level["requests"]["cpu"] == "2250m"
+    assert validation.quantity_bytes(pod_level["limits"]["memory"]) > 4 * 2**30
+
+
+def test_reinvocation_does_no_work_one_injection_per_pod(
+    operator_running: OperatorProcess, api: client.ApiClient, k8s_namespace: str
+) -> None:
+    """The apiserver calls the webhook again after the ServiceAccount plugin mounted a token
+    into the new sidecar; that second call finds the pod injected and returns at once (before:
+    it read the policy and rebuilt the patch, counted as "unchanged")."""
+    ns = k8s_namespace
+    create_policy(api, ns, pvc=None)
+    before = {o: _admissions(operator_running, o) for o in ("injected", "unchanged", "reinvoked")}
+    for i in range(3):
+        created = create_pod(
+            api, ns, PodBuilder(f"once-{i}", ns).policy("fast").container("t").obj()
+        )
+        assert sidecar_of(created) is not None
+    after = {o: _admissions(operator_running, o) for o in before}
+    assert after["injected"] - before["injected"] == 3
+    assert after["unchanged"] == before["unchanged"]
+    assert after["reinvoked"] - before["reinvoked"] in (0, 3)
+
+
+# --- issue 15: property: what the model accepts, the apiserver accepts (policy AND patched pod)
+
+
+_SIZE_SUFFIXES = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "k", "M", "G", "T", "P", "E", "m"]
+_EXPONENTS = ["e3", "e-3", "E2", "e400", "e9"]
+_numbers = st.one_of(
+    st.integers(-5, 10**7).map(str),
+    st.sampled_from(["0", "1", "1.5", ".5", "0.001", "99999999999999999999"]),
+)
+quantities = st.one_of(
+    st.builds(lambda n, s: n + s, _numbers, st.sampled_from(_SIZE_SUFFIXES + _EXPONENTS)),
+    st.sampled_from(["1Mi", "64Mi", "2Gi", "32Ti", "33Ti", "1Ei", "2E", "1e400", "1e1.5", "8Ei"]),
+    st.integers(-3, 2**40),
+)
+durations = st.one_of(
+    st.builds(
+        lambda n, u: f"{n}{u}",
+        st.integers(0, 10**13),
+        st.sampled_from(["ns", "us", "ms", "s", "m", "h"]),
+    ),
+    st.sampled_from(["1h30m", "2562047h", "2562048h", "1.5s", "15m"]),
+)
+_path_chars = st.sampled_from([*"ab/.-_é", "\x00", "\r", "\n", " ", "/"])
+host_paths = st.one_of(
+    st.sampled_from(
+        [
+            *("/dev/shm/strata", "/", "/etc", "/proc/x", "/dev", "/dev/sda", "/var/lib/kubelet"),
+            *("/mnt/fast", "/dev/shm/../etc", "/dev/shm/"),
+        ]
+    ),
+    st.text(_path_chars, min_size=1, max_size=12).map(lambda t: "/" + t),
+)
+prefixes = st.one_of(
+    st.sampled_from(["", "llm", "teams/llm", "a/./b", "..", "a//b", "é" * 130]),
+    st.text(_path_chars, max_size=16),
+)
+images = st.sampled_from(
+    [
+        *("ghcr.io/strata-dev/strata:0.1.0", "strata:e2e", "UPPER/x", "x:bad:tag"),
+        *("a.io/x@sha256:abc", "localhost:5000/s/t:v1", "x" * 300),
+    ]
+)
+resource_names = st.sampled_from(
+    [
+        *("cpu", "memory", "ephemeral-storage", "nvidia.com/gpu", "hugepages-2Mi", "gpu"),
+        *("kubernetes.io/x", "example.com/fpga"),
+    ]
+)
+resource_lists = st.dictionaries(resource_names, quantities, max_size=3)
+
+
+def _mostly(draw: st.DrawFn, tame: st.SearchStrategy[Any], wild: st.SearchStrategy[Any]) -> Any:
+    """A value from ``tame`` (meant to be valid) 85 % of the time, else from ``wild``."""
+    return draw(tame if draw(st.integers(0, 99)) < 85 else wild)
+
+
+@st.composite
+def policy_specs(draw: st.DrawFn) -> dict[str, Any]:
+    ram: dict[str, Any] = {
+        "sizeLimit": _mostly(
+            draw, st.sampled_from(["1Mi", "64Mi", "512Mi", "2Gi", "32Ti"]), quantities
+        ),
+        "keep": _mostly(draw, st.integers(1, 16), st.integers(-1, 17)),
+    }
+    if draw(st.booleans()):
+        ram["medium"] = "HostPath"
+        if draw(st.booleans()):
+            ram["hostPath"] = _mostly(
+                draw, st.sampled_from(["/dev/shm/strata", "/mnt/fast"]), host_paths
+            )
+    tiers: dict[str, Any] = {"ram": ram}
+    if draw(st.booleans()):
+        every: dict[str, Any] = {"steps": _mostly(draw, st.integers(1, 1000), st.integers(-1, 0))}
+        if draw(st.booleans()):
+            every["duration"] = _mostly(draw, st.sampled_from(["1h", "90s", "15m"]), durations)
+        tiers["pvc"] = {"claimName": "ckpt", "every": every}
+    if draw(st.booleans()):
+        tiers["gcs"] = {
+            "bucket": "strata-ckpts",
+            "prefix": _mostly(draw, st.sampled_from(["", "llm", "teams/llm"]), prefixes),
+            "every": {"steps": 1000},
+        }
+    sidecar: dict[str, Any] = {}
+    if draw(st.booleans()):
+        tame_resources = st.fixed_dictionaries(
+            {},
+            optional={
+                "cpu": st.sampled_from(["100m", "1", "2"]),
+                "memory": st.sampled_from(["256Mi", "1Gi"]),
+            },
+        )
+        sidecar["resources"] = {
+            "requests": _mostly(draw, tame_resources, resource_lists),
+            "limits": _mostly(draw, tame_resources, resource_lists),
+        }
+    if draw(st.booleans()):
+        sidecar["image"] = _mostly(
+            draw, st.sampled_from(["ghcr.io/strata-dev/strata:0.1.0"]), images
+        )
+    if draw(st.booleans()):
+        sidecar["terminationGracePeriodSeconds"] = _mostly(
+            draw, st.integers(1, 86400), st.integers(-1, 90000)
+        )
+    if draw(st.booleans()):
+        sidecar["ports"] = {
+            "metrics": _mostly(draw, st.integers(1024, 65535), st.sampled_from([80, 70000]))
+        }
+    return {"tiers": tiers, "sidecar": sidecar}
+
+
+def _model_accepts(spec: dict[str, Any]) -> bool:
+    try:
+        parse_spec(spec)
+    except InvalidSpec:
+        return False
+    return True
+
+
+def test_property_a_policy_the_model_accepts_injects_pods_the_apiserver_accepts(
+    operator_running: OperatorProcess, api: client.ApiClient, k8s_namespace: str
+) -> None:
+    """Generated policies (edge quantities, durations, resources, paths, prefixes, images): if
+    the model accepts one, the apiserver stores it and accepts the injected representative pod
+    (server-side dry run through the real webhook); if the apiserver stores one, the webhook
+    answers it with an injection or a "Strata:" refusal, never a 5xx."""
+    ns = k8s_namespace
+    custom = client.CustomObjectsApi(api)
+    core = client.CoreV1Api(api)
+    seen = {"model": 0, "api": 0, "both": 0, "n": 0}
+
+    @settings(
+        max_examples=120,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(spec=policy_specs())
+    def check(spec: dict[str, Any]) -> None:
+        seen["n"] += 1
+        name = f"prop-{seen['n']}"
+        model_ok = _model_accepts(spec)
+        body = {
+            "apiVersion": "strata.dev/v1alpha1",
+            "kind": "CheckpointPolicy",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": spec,
+        }
+        try:
+            custom.create_namespaced_custom_object(
+                "strata.dev", "v1alpha1", ns, "checkpointpolicies", body, field_validation="Strict"
+            )
+        except ApiException as exc:
+            assert exc.status in (400, 422), (exc.status, exc.body)
+            assert not model_ok, f"the model accepts what the apiserver refuses: {denial(exc)}"
+            return
+        seen["api"] += 1
+        seen["model"] += model_ok
+        pod = (
+            PodBuilder(f"rep-{seen['n']}", ns)
+            .policy(name)
+            .label("batch.kubernetes.io/job-name", "pretrain")
+            .label("batch.kubernetes.io/job-completion-index", "0")
+            .container("train", resources={"requests": {"cpu": "1", "memory": "1Gi"}})
+            .init_container("fetch")
+            .obj()
+        )
+        try:
+            try:
+                created = core.create_namespaced_pod(ns, pod, dry_run="All", _preload_content=False)
+            except ApiException as exc:
+                message = denial(exc)
+                assert exc.status is not None and exc.status < 500, (exc.status, message)
+                assert "Strata: " in message, message
+                assert not model_ok, f"model-accepted policy {spec!r}: pod refused: {message}"
+                return
+            assert model_ok, f"a policy the model refuses injected a pod: {spec!r}"
+            seen["both"] += 1
+            assert sidecar_of(json.loads(created.data)) is not None
+        finally:
+            custom.delete_namespaced_custom_object(
+                "strata.dev", "v1alpha1", ns, "checkpointpolicies", name
+            )
+
+    check()
+    print(f"\n[property] {seen}")
+    assert seen["both"] >= 10, seen  # the generator reaches valid policies too
