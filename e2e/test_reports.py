@@ -9,11 +9,12 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from kubernetes import client
+from kubernetes import client, watch
 from tests.fixtures.pods import PodBuilder, policy_obj
 
 from e2e.cluster import LocalCluster
@@ -222,3 +223,61 @@ def test_bad_reports_are_rejected_and_counted(
     status, _ = post(operator_running, body.model_dump_json().encode(), token)
     assert status == 202
     assert policy_status(api, ns)["jobs"][0]["newestCompleteStep"] == {"ram": 1}
+
+
+def test_concurrent_reports_are_folded_into_few_status_writes(
+    operator_running: OperatorProcess, api: client.ApiClient, k8s_namespace: str
+) -> None:
+    """Issue 15: 20 ranks x 10 reports, ranks in parallel. Before, every report was one status
+    patch (200 writes, one policy at a time); now the reports queued for a policy are folded
+    into one patch per interval. Counted as the policy's MODIFIED watch events."""
+    ns = k8s_namespace
+    custom = client.CustomObjectsApi(api)
+    custom.create_namespaced_custom_object(
+        "strata.dev", "v1alpha1", ns, "checkpointpolicies", policy_obj(namespace=ns, pvc=None)
+    )
+    ranks, per_rank = 20, 10
+    tokens = {}
+    for r in range(ranks):
+        make_pod(api, ns, f"rank-{r}", "fast")
+    for r in range(ranks):
+        tokens[r] = pod_token(api, ns, f"rank-{r}")
+    start_rv = custom.get_namespaced_custom_object(
+        "strata.dev", "v1alpha1", ns, "checkpointpolicies", "fast"
+    )["metadata"]["resourceVersion"]
+
+    def rank(r: int) -> list[int]:
+        codes = []
+        for i in range(1, per_rank + 1):
+            body = SidecarReport(
+                policy="fast",
+                namespace=ns,
+                pod_name=f"rank-{r}",
+                job_id=f"{ns}.job-{r}",
+                tiers={"ram": TierState(newest_complete_step=i * 10)},
+            )
+            codes.append(post(operator_running, body.model_dump_json().encode(), tokens[r])[0])
+        return codes
+
+    with ThreadPoolExecutor(ranks) as pool:
+        codes = [c for rank_codes in pool.map(rank, range(ranks)) for c in rank_codes]
+    assert codes == [202] * ranks * per_rank
+
+    status = policy_status(api, ns)
+    steps = {j["jobId"]: j["newestCompleteStep"]["ram"] for j in status["jobs"]}
+    assert steps == {f"{ns}.job-{r}": per_rank * 10 for r in range(ranks)}
+    writes = 0
+    stream = watch.Watch().stream(
+        custom.list_namespaced_custom_object,
+        "strata.dev",
+        "v1alpha1",
+        ns,
+        "checkpointpolicies",
+        resource_version=start_rv,
+        timeout_seconds=5,
+    )
+    for event in stream:
+        if event["type"] == "MODIFIED":
+            writes += 1
+    print(f"\n[reports] {ranks * per_rank} reports -> {writes} status writes")
+    assert writes <= ranks * per_rank // 4, writes
