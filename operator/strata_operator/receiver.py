@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import functools
 import hashlib
 import json
@@ -41,7 +42,8 @@ import logging
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -73,9 +75,12 @@ POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
 MAX_BODY_BYTES = 256 * 1024
-TOKEN_CACHE_SECONDS = 30.0
-"""How long a TokenReview answer is reused for the same token (the sidecar reports every few
-seconds with one token; the kubelet rotates it at 80 % of its life)."""
+TOKEN_CACHE_SECONDS = 300.0
+"""How long a TokenReview answer is reused for the same token, at most (never past the token's
+own ``exp``). A pod-bound token is revoked by deleting its pod, and every report is checked
+against the live pod (watch, or a GET), so the cache never admits a deleted pod's token."""
+API_THREADS = 32
+"""Worker threads for the receiver's blocking API calls (TokenReview, GETs, status patches)."""
 MAX_PENDING_PER_POLICY = 20_000
 """Reports queued for one policy's next status patch; beyond it the oldest are answered 503."""
 
@@ -255,6 +260,7 @@ class ReceiverState:
     """sha256(token) -> (monotonic expiry, identity) of tokens the apiserver authenticated."""
     pods: dict[tuple[str, str], PodFacts] = field(default_factory=dict)
     """Labelled pods as the pod watch last saw them (namespace, name)."""
+    executor: ThreadPoolExecutor | None = None
 
     def first_time(self, key: str) -> bool:
         if not key:
@@ -276,8 +282,29 @@ class ReceiverState:
         now = time.monotonic()
         if len(self.tokens) > 50_000:
             self.tokens = {k: v for k, v in self.tokens.items() if v[0] >= now}
-        digest = hashlib.sha256(token.encode()).hexdigest()
-        self.tokens[digest] = (now + TOKEN_CACHE_SECONDS, identity)
+        ttl = min(TOKEN_CACHE_SECONDS, _seconds_left(token))
+        if ttl > 0:
+            digest = hashlib.sha256(token.encode()).hexdigest()
+            self.tokens[digest] = (now + ttl, identity)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` (a blocking API call) on the receiver's own threads, so that a burst of
+        reports neither waits for nor starves the default executor."""
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(API_THREADS, thread_name_prefix="strata-receiver")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
+
+
+def _seconds_left(token: str) -> float:
+    """Seconds until the JWT's ``exp`` (read only after the apiserver authenticated it); 0 when
+    it has none or cannot be read."""
+    try:
+        payload = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        return max(0.0, float(claims["exp"]) - time.time())
+    except (IndexError, KeyError, TypeError, ValueError):
+        return 0.0
 
 
 def _review_token(auth_api: Any, token: str, audience: str) -> dict[str, Any]:
@@ -422,7 +449,7 @@ async def _handle(state: ReceiverState, request: web.Request) -> dict[str, Any]:
         raise Rejected(401, "missing-token", "Authorization: Bearer <token> is required")
     identity = state.cached_identity(token)
     if identity is None:
-        identity = await asyncio.to_thread(_review_token, state.auth_api, token, state.audience)
+        identity = await state.call(_review_token, state.auth_api, token, state.audience)
         state.remember_identity(token, identity)
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise Rejected(400, "malformed", f"body larger than {MAX_BODY_BYTES} bytes")
@@ -474,7 +501,7 @@ async def _pod_facts(
     known = state.pods.get((namespace, name))
     if known is not None and (not token_uid or known.uid == token_uid):
         return known
-    pod = await asyncio.to_thread(_get_pod, state.core_api, namespace, name)
+    pod = await state.call(_get_pod, state.core_api, namespace, name)
     meta = (pod or {}).get("metadata") or {}
     if pod is None or (token_uid and token_uid != meta.get("uid")):
         return None
@@ -491,7 +518,7 @@ async def fold_batch(
     """
     namespace, name = key
     for _ in range(8):
-        policy = await asyncio.to_thread(_get_policy, state.custom_api, namespace, name)
+        policy = await state.call(_get_policy, state.custom_api, namespace, name)
         if policy is None:
             raise Rejected(
                 404, "policy-not-found", f"CheckpointPolicy {namespace}/{name} not found"
@@ -506,7 +533,7 @@ async def fold_batch(
         if jobs and jobs[0].get("newestCompleteStep"):
             patch["newestCompleteStep"] = jobs[0]["newestCompleteStep"]
         rv = policy["metadata"]["resourceVersion"]
-        if await asyncio.to_thread(_patch_status, state.custom_api, namespace, name, rv, patch):
+        if await state.call(_patch_status, state.custom_api, namespace, name, rv, patch):
             break
     else:
         raise Rejected(409, "status-conflict", "the policy status kept changing; retry")
@@ -515,7 +542,7 @@ async def fold_batch(
     for events in per_report:
         for event in events:
             if state.first_time(event.key):
-                await asyncio.to_thread(post_event, state.core_api, policy, event)
+                await state.call(post_event, state.core_api, policy, event)
     return [len(events) for events in per_report]
 
 
@@ -562,6 +589,8 @@ async def stop_receiver(memo: kopf.Memo, **_: Any) -> None:
         state.runner = None
     if state is not None and state.batches is not None:
         await state.batches.close()
+    if state is not None and state.executor is not None:
+        state.executor.shutdown(wait=False, cancel_futures=True)
 
 
 @kopf.on.event("", "v1", "pods", labels={POLICY_LABEL: kopf.PRESENT})
@@ -652,15 +681,19 @@ def configure(args: argparse.Namespace, memo: kopf.Memo) -> None:
     tls: certs.TlsFiles | None = memo.get("tls")
     if tls is None:
         raise SystemExit("strata_operator.receiver needs strata_operator.webhook (TLS) first")
-    # The webhook extension loaded the kubeconfig and holds a CustomObjectsApi: share them.
+    # The webhook extension loaded the kubeconfig; the receiver gets its own connection pool,
+    # as large as its thread pool, so that a burst of reports does not queue on connections.
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = API_THREADS
+    api_client = client.ApiClient(configuration)
     memo["receiver"] = ReceiverState(
         host=args.report_listen,
         port=args.report_port,
         audience=args.report_audience,
         tls=tls,
-        auth_api=client.AuthenticationV1Api(),
-        core_api=client.CoreV1Api(),
-        custom_api=memo["webhook"].custom_api,
+        auth_api=client.AuthenticationV1Api(api_client),
+        core_api=client.CoreV1Api(api_client),
+        custom_api=client.CustomObjectsApi(api_client),
         status_interval=args.status_interval,
     )
     if args.metrics_port:
