@@ -738,3 +738,30 @@ def test_a_policy_name_longer_than_a_label_value_is_refused(
     assert err.value.status == 422
     assert "at most 63 characters" in json.loads(err.value.body)["message"]
     create_policy(kube, PolicyBuilder("p" * 63, k8s_namespace).obj())
+
+
+def test_with_watch_secrets_a_created_secret_makes_its_policy_ready_at_once(
+    k8s_cluster: LocalCluster, crd: None, kube: Any, k8s_namespace: str, tmp_path: Path
+) -> None:
+    ns = k8s_namespace
+    op = Operator(k8s_cluster, tmp_path, None)
+    op.start("--dependency-retry", "600", "--no-bucket-check", "--watch-secrets")
+    try:
+        secret_ref = {"type": "SecretRef", "secretRef": {"name": "gcs-key"}}
+        create_policy(kube, PolicyBuilder("keyed", ns).gcs(credentials=secret_ref).obj())
+        missing = condition(wait_ready(kube, ns, "keyed", status="False"), k.READY)
+        assert missing is not None and missing["reason"] == k.REASON_SECRET_NOT_FOUND
+        client.CoreV1Api(kube).create_namespaced_secret(
+            ns,
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "gcs-key"},
+                "stringData": {"key.json": "{}"},
+            },
+        )
+        ready = condition(wait_ready(kube, ns, "keyed"), k.READY)
+        assert ready is not None and ready["reason"] == k.REASON_RECONCILED
+        assert op.alive() and op.errors() == []
+    finally:
+        op.stop()
