@@ -2,7 +2,9 @@
 
 Labels, annotations, condition types and reasons, Event reasons, the names of what the webhook
 injects (container, volumes, mounts, env, port), kopf's storage keys. Rule of this module: plain
-constants only (no logic, no imports beyond typing), so that every other layer may import it.
+constants only (no logic; the only import of ours is :mod:`strata.constants`, the names the data
+plane reads too, which are taken from there rather than written twice), so that every other
+layer may import it.
 A name here is part of the API users see (``kubectl describe``, their pod specs): changing one is
 a breaking change.
 """
@@ -11,12 +13,14 @@ from __future__ import annotations
 
 from typing import Final
 
+from strata import constants as shared
+
 # --- labels and annotations -------------------------------------------------------------------
 
 DOMAIN: Final = "strata.dev"
 POLICY_LABEL: Final = "strata.dev/policy"
 """Pod label (and workload annotation) naming the CheckpointPolicy in the pod's namespace."""
-RUN_ID_ANNOTATION: Final = "strata.dev/run-id"
+RUN_ID_ANNOTATION: Final = shared.RUN_ID_ANNOTATION
 """Overrides the job id so that a resubmitted run continues from its checkpoints."""
 INJECTED_ANNOTATION: Final = "strata.dev/injected"
 """Marker set on injected pods; value: the policy name."""
@@ -44,8 +48,8 @@ TOKEN_DIR: Final = "/var/run/secrets/strata.dev"
 TOKEN_FILE: Final = "token"
 CA_FILE: Final = "ca.crt"
 METRICS_PORT_NAME: Final = "strata-metrics"
-CONFIG_ENV: Final = "STRATA_CONFIG"
-"""The sidecar contract's env var (``strata.config.ENV_CONFIG``; checked equal in the tests)."""
+CONFIG_ENV: Final = shared.ENV_CONFIG
+"""The sidecar contract's env var: the whole :class:`strata.config.StrataConfig` as JSON."""
 STRATA_ENV_PREFIX: Final = "STRATA_"
 """Env vars with this prefix belong to Strata; a container that sets one is refused."""
 
@@ -59,10 +63,10 @@ RANK_LABELS: Final[tuple[tuple[str, str], ...]] = (
 )
 """(env var, pod label) pairs wired through the downward API when the label is present."""
 POD_FIELD_ENV: Final[tuple[tuple[str, str], ...]] = (
-    ("POD_NAME", "metadata.name"),
-    ("POD_NAMESPACE", "metadata.namespace"),
-    ("POD_UID", "metadata.uid"),
-    ("NODE_NAME", "spec.nodeName"),
+    (shared.ENV_POD_NAME, "metadata.name"),
+    (shared.ENV_POD_NAMESPACE, "metadata.namespace"),
+    (shared.ENV_POD_UID, "metadata.uid"),
+    (shared.ENV_NODE_NAME, "spec.nodeName"),
 )
 """(env var, downward-API field) pairs; a container may already set the same var to the same
 field (kept), not to anything else (refused)."""

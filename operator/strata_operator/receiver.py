@@ -52,7 +52,8 @@ import kopf
 from aiohttp import web
 from pydantic import ValidationError
 
-from strata.reports import REPORT_PATH, SidecarReport
+from strata.constants import REPORT_PATH
+from strata.reports import SidecarReport
 from strata_operator import api, certs
 from strata_operator import conditions as c
 from strata_operator import metrics as m

@@ -8,8 +8,8 @@ import pytest
 
 from strata_operator import conditions as c
 from strata_operator import constants as k
+from strata_operator.constants import PSS_ENFORCE_LABEL
 from strata_operator.reconcile import (
-    PSS_ENFORCE_LABEL,
     BucketFact,
     Facts,
     InvalidSpec,

@@ -13,10 +13,12 @@ import pytest
 import yaml
 
 from strata_operator import api
-from strata_operator.mutation import (
+from strata_operator.constants import (
     INJECTED_ANNOTATION,
     POLICY_LABEL,
     SIDECAR_NAME,
+)
+from strata_operator.mutation import (
     InjectionSettings,
     build_pod_patch,
 )

@@ -10,13 +10,15 @@ import pytest
 
 from strata.config import StrataConfig
 from strata_operator.api import DEFAULT_HOST_PATH
-from strata_operator.mutation import (
+from strata_operator.constants import (
     INJECTED_ANNOTATION,
     PVC_VOLUME,
     RAM_VOLUME,
     REPORT_CA_ANNOTATION,
     SIDECAR_NAME,
     TOKEN_VOLUME,
+)
+from strata_operator.mutation import (
     InjectionError,
     InjectionSettings,
     build_pod_patch,
