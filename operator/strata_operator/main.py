@@ -14,7 +14,15 @@ The status patch is made with the Kubernetes client rather than kopf's ``patch.s
 applies its patch after the handler returns while Events queued in the handler are posted
 concurrently, so "events after the patch succeeds" could not be guaranteed.
 
+Dependencies: a PVC (and, with ``--watch-secrets``, a Secret) that a policy names is watched;
+when it is created, changed or deleted, the policies naming it are reconciled at once
+(:mod:`strata_operator.dependencies`), instead of at kopf's next retry.
+
+Pods: kopf watches only pods labelled ``strata.dev/policy`` (a server-side label selector), so the
+operator's memory does not grow with the cluster's other pods.
+
 Kopf settings (see :func:`configure`): progress and diff-base in ``strata.dev/*`` annotations
+(the diff base is a digest of the spec, see :class:`GenerationDiffBaseStorage`)
 (nothing in status, handler results are not stored: the handler returns None); no finalizers —
 kopf adds one only for non-optional deletion handlers and daemons/timers, and none are
 registered (case C-13: deleting a namespace must never wait for the operator); kopf's own log

@@ -11,7 +11,11 @@ Handlers (each its own webhook in the configuration, addressed by its kopf handl
 
 A policy that does not exist in the object's namespace is a denial (HTTP 403) whose message names
 the policy and the namespace; a pod or policy that cannot be injected is a denial (422) that says
-why. The handlers never call anything but a GET of the policy (``sideEffects: None``).
+why (:mod:`strata_operator.pod_checks`). Every denial message starts with "Strata: ", and no
+policy the API accepted can make the webhook answer 5xx: an unexpected error is a 422 denial
+that says so (only an API failure reading the policy is a 503). A reinvocation (the apiserver
+calls again after later plugins changed an injected pod) returns at once, without reading the
+policy. The handlers never call anything but a GET of the policy (``sideEffects: None``).
 
 The ``MutatingWebhookConfiguration`` (default name ``strata.dev``) is written by this module, not
 by kopf's ``settings.admission.managed``: kopf 1.45's ``build_webhooks`` has no
