@@ -38,3 +38,7 @@ def test_demo_recovers_from_every_tier_bit_identically(tmp_path: Path) -> None:
     assert served == {"ram": ("ram", 130), "pvc": ("pvc", 200), "gcs": ("gcs", 200)}, out[-3000:]
     assert "final weights vs uninterrupted run: bit-identical" in out
     assert "all checks held" in out
+    # The plot next to the table: a real PNG of the run.
+    png = tmp_path / "work" / "demo.png"
+    assert f"plot of the run (loss, kills, restores and their tiers): {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

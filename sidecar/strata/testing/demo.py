@@ -164,8 +164,8 @@ def run_trainer(args: argparse.Namespace) -> int:
 
     step = 0
     if args.plain:
-        for _ in range(args.steps):
-            _train_step(model, optim, data, gen)
+        for i in range(args.steps):
+            _emit("step", step=i + 1, loss=_train_step(model, optim, data, gen))
         _emit("done", step=args.steps, digest=_weights_digest(model))
         return 0
 
@@ -216,7 +216,7 @@ def run_trainer(args: argparse.Namespace) -> int:
                 loss=loss,
                 time=time.time(),
             )
-        _emit("step", step=step)
+        _emit("step", step=step, loss=loss)
     ckpt.wait()
     _emit("done", step=step, digest=_weights_digest(model))
     ckpt.close()
@@ -243,6 +243,11 @@ class Run:
     recoveries: list[Recovery] = field(default_factory=list)
     digest: str | None = None
     failures: list[str] = field(default_factory=list)
+    segments: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per trainer process under Strata: (step, loss) of every step it trained."""
+    kills: list[int] = field(default_factory=list)
+    """The step at which each killed trainer was stopped."""
+    reference: list[tuple[int, float]] = field(default_factory=list)
 
 
 class Demo:
@@ -359,6 +364,8 @@ class Demo:
         """Run a trainer; SIGSTOP it at ``stop_at`` (frozen, as a hung node), return True if done."""
         proc = self.trainer(cfg)
         done = False
+        losses: list[tuple[int, float]] = []
+        self.run.segments.append(losses)
         try:
             for ev in self.events(proc):
                 kind = ev["event"]
@@ -386,9 +393,12 @@ class Demo:
                             f"step {ev['step']:4d}  loss {ev['loss']:.3f}  save stall "
                             f"{ev['stall'] * 1e3:.2f} ms (torch.save {ev['torch_save'] * 1e3:.1f} ms)"
                         )
-                elif kind == "step" and stop_at is not None and ev["step"] >= stop_at:
-                    proc.send_signal(signal.SIGSTOP)
-                    return False
+                elif kind == "step":
+                    losses.append((ev["step"], ev["loss"]))
+                    if stop_at is not None and ev["step"] >= stop_at:
+                        proc.send_signal(signal.SIGSTOP)
+                        self.run.kills.append(ev["step"])
+                        return False
                 elif kind == "done":
                     self.run.digest = ev["digest"]
                     done = True
@@ -424,7 +434,12 @@ class Demo:
 
             self.log(f"reference: {args.steps} uninterrupted steps without Strata")
             ref = self.trainer(base, plain=True)
-            ref_digest = next(ev["digest"] for ev in self.events(ref) if ev["event"] == "done")
+            ref_digest = ""
+            for ev in self.events(ref):
+                if ev["event"] == "step":
+                    self.run.reference.append((ev["step"], ev["loss"]))
+                elif ev["event"] == "done":
+                    ref_digest = ev["digest"]
             ref.wait()
 
             fresh = self.config(endpoint, bucket, allow_fresh=True)
@@ -468,7 +483,29 @@ class Demo:
                 self.run.failures.append("the final run did not finish")
             lags = self.promotion_lags()
             self.kill_sidecar()
-        return self.report(ref_digest, lags)
+        code = self.report(ref_digest, lags)
+        self.plot()
+        return code
+
+    def plot(self) -> Path | None:
+        """The PNG of the run next to the table (``<workdir>/demo.png``); None without
+        matplotlib (the ``dev`` extra), said on stdout."""
+        from strata.testing.demo_plot import RestorePoint, plot_run
+
+        path = self.work / "demo.png"
+        try:
+            plot_run(
+                path,
+                self.run.segments,
+                self.run.kills,
+                [RestorePoint(r.scenario, r.tier, r.step) for r in self.run.recoveries],
+                self.run.reference,
+            )
+        except ImportError as exc:
+            print(f"no plot: {exc} (pip install matplotlib, or the dev extra)")
+            return None
+        print(f"plot of the run (loss, kills, restores and their tiers): {path}")
+        return path
 
     def gcs(self, stack: contextlib.ExitStack) -> tuple[str | None, str]:
         args = self.args
