@@ -9,8 +9,9 @@ Names: key paths joined with ``.`` (see :mod:`strata.cli.tree`), e.g. ``model.la
 
 Global state (:func:`global_state`): a key whose tensors are equal on every rank (replicated
 state, DDP) is written once; a key that differs between ranks (or exists on some only) is written
-per rank as ``rank<R>/<key>``. Sharded tensors (per-tensor global placement in the manifest) are
-reassembled there too once manifests record it.
+per rank as ``rank<R>/<key>``. A sharded tensor (a DTensor or a declared-replicated tensor:
+a ``{"__sharded__": i}`` node with its global shape and each chunk's offsets in the manifest) is
+reassembled into its global tensor from the chunks of every rank.
 
 Outputs (``dst`` must be empty or absent):
 
@@ -27,6 +28,7 @@ Needs torch (the ``torch`` extra).
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import tempfile
 import warnings
@@ -132,33 +134,92 @@ def _same(values: Sequence[Any]) -> bool:
     return all(type(v) is type(first) and v == first for v in values[1:])
 
 
+SHARDED_TAG = "__sharded__"
+"""Tree node of a sharded tensor (DTensor, declared-replicated) in a manifest (issue 13)."""
+
+
+def _sharded_chunks(rs: RankState) -> dict[str, tuple[Any, Any]]:
+    """key path -> (the manifest's sharded entry, this rank's chunk or None) of every sharded
+    tensor of one rank (manifests without sharded tensors: empty)."""
+    from strata.cli.tree import walk
+
+    entries = getattr(rs.manifest, "sharded", None) or []
+    out = {}
+    for path, node in walk(rs.manifest.tree):
+        if isinstance(node, dict) and SHARDED_TAG in node:
+            idx = int(node[SHARDED_TAG])
+            if not 0 <= idx < len(entries):
+                raise ExportError(f"rank {rs.rank}: {path} names sharded tensor {idx}, absent")
+            out[path] = (entries[idx], rs.leaves.get(path))
+    return out
+
+
+def _reassemble(path: str, pieces: Sequence[tuple[Any, Any]]) -> torch.Tensor:
+    """The global tensor of ``path`` from every rank's (entry, chunk); each region is written
+    by the rank holding its bytes (replicas only reference it). ExportError when a region has
+    no bytes or the chunks do not cover the tensor."""
+    first = pieces[0][0]
+    out = torch.empty(list(first.global_shape), dtype=codec.dtype_from_name(first.dtype, path))
+    regions: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+    for entry, chunk in pieces:
+        if list(entry.global_shape) != list(first.global_shape) or entry.dtype != first.dtype:
+            raise ExportError(f"{path}: ranks disagree on its global shape or dtype")
+        key = (tuple(entry.offsets), tuple(entry.lengths))
+        if chunk is not None:
+            regions[key] = chunk
+        else:
+            regions.setdefault(key, None)
+    covered = 0
+    for (offsets, lengths), chunk in regions.items():
+        if chunk is None:
+            raise ExportError(
+                f"{path}: no rank holds the bytes of the chunk at {list(offsets)} "
+                f"(size {list(lengths)}); the step is incomplete"
+            )
+        index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+        out[index] = chunk.reshape(lengths)
+        covered += math.prod(lengths)
+    if covered != out.numel():
+        raise ExportError(
+            f"{path}: the chunks cover {covered} of {out.numel()} elements; the step is incomplete"
+        )
+    return out
+
+
 def global_state(ranks: Sequence[RankState]) -> tuple[dict[str, Any], list[str]]:
     """The global ``{key: leaf}`` of all ranks (see the module docstring) and notes.
 
     The one place ranks are combined: sharded tensors (manifests with per-tensor global
-    placement) are reassembled here.
+    placement) are reassembled from their chunks first; the rest is merged key by key.
     """
-    if len(ranks) == 1:
-        return dict(ranks[0].leaves), []
-    keys: dict[str, None] = {}
+    sharded: dict[str, list[tuple[Any, Any]]] = {}
     for rs in ranks:
-        keys.update(dict.fromkeys(rs.leaves))
-    out: dict[str, Any] = {}
+        for path, piece in _sharded_chunks(rs).items():
+            sharded.setdefault(path, []).append(piece)
+    out: dict[str, Any] = {p: _reassemble(p, pieces) for p, pieces in sharded.items()}
+    plain = [{k: v for k, v in rs.leaves.items() if k not in sharded} for rs in ranks]
+    if len(ranks) == 1:
+        return {**plain[0], **out}, []
+    keys: dict[str, None] = {}
+    for leaves in plain:
+        keys.update(dict.fromkeys(leaves))
     per_rank: list[str] = []
     for key in keys:
-        values = [rs.leaves[key] for rs in ranks if key in rs.leaves]
+        values = [leaves[key] for leaves in plain if key in leaves]
         if len(values) == len(ranks) and _same(values):
             out[key] = values[0]
             continue
         per_rank.append(key)
-        for rs in ranks:
-            if key in rs.leaves:
-                out[f"rank{rs.rank}/{key}"] = rs.leaves[key]
+        for rs, leaves in zip(ranks, plain, strict=True):
+            if key in leaves:
+                out[f"rank{rs.rank}/{key}"] = leaves[key]
     notes = (
         [f"{len(per_rank)} key(s) differ between ranks and are written per rank as rank<R>/<key>"]
         if per_rank
         else []
     )
+    if sharded:
+        notes.append(f"{len(sharded)} sharded tensor(s) reassembled from their chunks")
     return out, notes
 
 

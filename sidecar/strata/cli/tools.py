@@ -261,13 +261,15 @@ def _inspect(args: argparse.Namespace) -> int:
                 r["type"],
                 r.get("dtype"),
                 ("x".join(map(str, r["shape"])) or "()") if "shape" in r else None,
-                output.human_bytes(r["bytes"]) if r["type"] == "tensor" else r.get("value"),
+                output.human_bytes(r["bytes"])
+                if r["type"] in ("tensor", "sharded")
+                else r.get("value"),
             )
             for r in rows
         ],
         con,
     )
-    tensors = [r for r in rows if r["type"] == "tensor"]
+    tensors = [r for r in rows if r["type"] in ("tensor", "sharded")]
     con.print(
         f"{len(tensors)} tensors ({output.human_bytes(sum(r['bytes'] or 0 for r in tensors))}), "
         f"{len(rows) - len(tensors)} other values, ranks {ranks}",

@@ -14,6 +14,9 @@ from typing import Any
 from strata.format.manifest import Manifest
 
 TENSOR_TAG = "__tensor__"
+SHARDED_TAG = "__sharded__"
+"""A sharded tensor (issue 13): its global shape and this rank's chunk (``Manifest.sharded``);
+``bytes`` counts what this rank stores (0 where another rank of its replica group does)."""
 _SEQ_TAGS = ("__tuple__", "__set__", "__frozenset__")
 
 _ITEMSIZE = {
@@ -111,6 +114,25 @@ def leaves(m: Manifest) -> list[dict[str, Any]]:
                     "dtype": te.dtype,
                     "shape": list(te.shape),
                     "bytes": numel * item if item is not None else None,
+                }
+            )
+        elif isinstance(node, dict) and SHARDED_TAG in node:
+            entry = (getattr(m, "sharded", None) or [])[int(node[SHARDED_TAG])]
+            item = _ITEMSIZE.get(entry.dtype)
+            stored = entry.tensor is not None
+            out.append(
+                {
+                    "rank": m.rank,
+                    "key": path,
+                    "type": "sharded",
+                    "dtype": entry.dtype,
+                    "shape": list(entry.global_shape),
+                    "bytes": math.prod(entry.lengths) * item if stored and item else 0,
+                    "chunk": {
+                        "offsets": list(entry.offsets),
+                        "lengths": list(entry.lengths),
+                        "owner": entry.owner,
+                    },
                 }
             )
         else:
