@@ -103,3 +103,10 @@ class CommitError(FormatError):
 
 class CodecError(FormatError):
     """Saved data does not fit the manifest or the live state (names the path and the fix)."""
+
+
+class StateChanged(StrataError, RuntimeError):
+    """A tensor of the state changed in place while an overlapped save was copying it
+    (``save(..., blocking=False)``); that step is not committed, the previous one is intact.
+    Call ``wait_copied()`` before changing the state (optimizers in the state do it by
+    themselves)."""

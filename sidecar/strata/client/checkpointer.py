@@ -52,10 +52,12 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from strata.client.cuda_host import holds_cuda
 from strata.client.loader import load_shard
 from strata.client.saver import Saver
 from strata.config import StrataConfig
 from strata.errors import ConfigError, RestoreError, ShardCorrupt, StageError, TierError
+from strata.format import codec
 from strata.protocol import ClientEvent, RestoreEvent
 from strata.restore import (
     RankInventory,
@@ -200,6 +202,8 @@ class Checkpointer:
     Identity: ``rank``/``world_size`` arguments, else torch.distributed when initialized, else
     env ``RANK``/``WORLD_SIZE``, else 0/1. ``copy_threads``: threads copying into the slot.
     ``process_group``: for the all-gather of inventories (default group).
+    ``register_limit_bytes``: the most RAM-slot bytes page-locked with CUDA at once when the
+    state holds CUDA tensors (None: only the driver's limits; :mod:`strata.client.cuda_host`).
     Raises :class:`strata.config.ConfigError` for a bad configuration.
 
     One Checkpointer per training process; call ``save``/``restore`` from one thread (the
@@ -223,6 +227,7 @@ class Checkpointer:
         copy_threads: int = 4,
         raise_on_error: bool = False,
         process_group: Any = None,
+        register_limit_bytes: int | None = None,
     ) -> None:
         self.config = _build_config(
             config, job_id, ram_dir, pvc_dir, keep, every_steps, allow_fresh_start
@@ -276,6 +281,7 @@ class Checkpointer:
             report=self._report,
             copy_threads=copy_threads,
             raise_on_error=raise_on_error,
+            register_limit_bytes=register_limit_bytes,
         )
         self._tiers: list[Tier] | None = None
         self._tier_notes: list[str] = []
@@ -304,14 +310,36 @@ class Checkpointer:
         """Whether ``step`` is due for a RAM checkpoint (``ram.every``: steps and/or seconds)."""
         return self.saver.should_save(step)
 
-    def save(self, step: int, state: Any) -> bool:
+    def save(self, step: int, state: Any, blocking: bool = True) -> bool:
         """Snapshot ``state`` as ``step`` into the RAM tier; True when committed there.
 
         Blocks only for the copy into a RAM slot (the stall, recorded in ``stall_seconds``).
         Returns False after logging and recording a failure (see the module docstring's failure
         policy). Raises ValueError for a step that is not a non-negative int.
+
+        ``blocking=False`` (overlapped): returns once the copies are enqueued (True) and commits
+        when they complete; until :meth:`wait_copied` returns, do not change any tensor of
+        ``state`` in place (optimizers in ``state`` wait by themselves before their step; a
+        tensor changed anyway makes that step not committed). See :mod:`strata.client.saver`.
         """
-        return self.saver.save(step, state)
+        return self.saver.save(step, state, blocking=blocking)
+
+    def wait_copied(self, timeout: float | None = None) -> bool | None:
+        """Wait for the overlapped save in flight: True committed, False failed (see
+        ``last_error``), None when none was in flight."""
+        return self.saver.wait_copied(timeout)
+
+    def prepare(self, state: Any, background: bool = False) -> None:
+        """Allocate, pre-fault (and, for CUDA state, register) the RAM slots ``state`` needs,
+        so that no save pays for them. ``restore()`` does this in the background by itself;
+        call it when training starts without a restore. Raises what slot allocation raises
+        (:class:`strata.errors.TierFull`, ...) unless ``background``."""
+        enc = codec.encode(state)
+        cuda = holds_cuda(enc)
+        if background:
+            self.saver.prepare_in_background(enc.data_nbytes, cuda)
+        else:
+            self.saver.prepare(enc.data_nbytes, cuda)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every background checksum pass submitted so far has finished."""
@@ -457,6 +485,7 @@ class Checkpointer:
                 result.seconds,
             )
             self._report_restore(result, "restored")
+            self._prepare_quietly(state)
             return result
         searched = ", ".join(
             f"{t}={self._tier_location(t)}" for t in self.config.tiers_in_restore_order()
@@ -480,6 +509,7 @@ class Checkpointer:
             )
             fresh = RestoreResult(None, {}, 0, time.perf_counter() - t0, notes, state)
             self._report_restore(fresh, "fresh-start")
+            self._prepare_quietly(state)
             return fresh
         self._report_restore(RestoreResult(None, {}, 0, time.perf_counter() - t0, notes), "failed")
         raise RestoreError(
@@ -488,6 +518,13 @@ class Checkpointer:
             f"{'; '.join(notes) or 'none'}). Set restore.allowFreshStart in the CheckpointPolicy "
             "(or allow_fresh_start=True) to start from scratch"
         )
+
+    def _prepare_quietly(self, state: Any) -> None:
+        """Slots for the next save, in the background (never fails the restore)."""
+        try:
+            self.prepare(state, background=True)
+        except Exception as exc:  # an unsupported value: the first save will say so
+            log.debug("strata: slots not prepared after restore: %s", exc)
 
     def _report(self, event: ClientEvent) -> None:
         """Hand a save/restore event to the sidecar (off the training thread; best effort)."""
@@ -534,6 +571,7 @@ class Checkpointer:
                 pool=self.saver.copy_pool,
                 workers=self.saver.copy_threads,
                 verify=verify,
+                device_source=lambda: self.saver.host_view(lease.path),
             )
             if deferred and not m.verified and m.data_nbytes:
                 self.ram.update_checksums(

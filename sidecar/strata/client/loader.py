@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,9 +74,18 @@ class _OnePass:
     """Collects fast tensors during the codec walk and runs the chunked verify+copy pass."""
 
     def __init__(
-        self, manifest: Manifest, fd: int, path: Path, pool: Executor | None, workers: int
+        self,
+        manifest: Manifest,
+        fd: int,
+        path: Path,
+        pool: Executor | None,
+        workers: int,
+        device_source: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
         self.m = manifest
+        self.device_source = device_source
+        self._host: torch.Tensor | bool | None = None
+        self.device_pending: list[tuple[int, torch.Tensor]] = []
         self.fd = fd
         self.path = path
         self.pool = pool
@@ -89,21 +99,37 @@ class _OnePass:
     # -- the codec's hooks ----------------------------------------------------------------------
     def sink(self, te: TensorEntry, se: StorageEntry, live: torch.Tensor) -> bool:
         """Take a saved tensor (entries checked by the codec, same dtype and shape as ``live``)
-        when it can be copied as raw bytes: ``live`` a contiguous CPU tensor, the saved view
-        contiguous too."""
-        if live.device.type != "cpu" or not live.is_contiguous():
-            return False
-        if te.stride != _contiguous_stride(te.shape):
+        when it can be copied as raw bytes: the saved view contiguous, ``live`` a contiguous CPU
+        tensor, or a contiguous CUDA tensor when ``device_source`` gives a host view."""
+        if not live.is_contiguous() or te.stride != _contiguous_stride(te.shape):
             return False
         itemsize = live.element_size()
         n = live.numel() * itemsize
+        off = se.offset + te.storage_offset * itemsize
+        if live.device.type == "cuda":
+            if self._host is None and self.device_source is not None:
+                self._host = self.device_source() or False
+                self.device_source = None
+            if self._host is False or self._host is None:
+                return False
+            if n:
+                self.device_pending.append((off, live))
+                self.fast_bytes += n
+            return True
+        if live.device.type != "cpu":
+            return False
         if n:
-            self.pending.append((se.offset + te.storage_offset * itemsize, live.data_ptr(), n))
+            self.pending.append((off, live.data_ptr(), n))
             self.fast_bytes += n
         return True
 
     def flush(self) -> None:
         """Run the pass over the chunks the pending copies touch (and copy them)."""
+        done = self._to_device()
+        self._cpu_pass()
+        done()
+
+    def _cpu_pass(self) -> None:
         if not self.pending:
             return
         by_chunk: dict[int, list[tuple[int, int, int]]] = {}
@@ -116,10 +142,30 @@ class _OnePass:
         self.pending = []
         self._run(sorted((k, sorted(p)) for k, p in by_chunk.items()))
 
+    def _to_device(self) -> Callable[[], None]:
+        """Enqueue the host-to-device copies (non-blocking, from the registered slot, on a side
+        stream); returns the wait for them. The checksums of their chunks are the CPU's work
+        meanwhile (``finish``)."""
+        if not self.device_pending:
+            return lambda: None
+        host = self._host
+        assert isinstance(host, torch.Tensor)
+        device = self.device_pending[0][1].device
+        stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for off, live in self.device_pending:
+                n = live.numel() * live.element_size()
+                live.view(-1).view(torch.uint8).copy_(host[off : off + n], non_blocking=True)
+        self.device_pending = []
+        return stream.synchronize
+
     def finish(self) -> tuple[list[int], int]:
         """Flush, then checksum the chunks no copy touched; (chunk CRCs, whole-object CRC)."""
-        self.flush()
+        done = self._to_device()
+        self._cpu_pass()
         self._run([(k, []) for k, c in enumerate(self.crcs) if c is None])
+        done()
         crcs = [int(c) for c in self.crcs if c is not None]
         whole = crc.combine_chunks(crcs, self.m.data_nbytes, self.chunk) if crcs else 0
         return crcs, whole
@@ -216,10 +262,15 @@ def load_shard(
     pool: Executor | None,
     workers: int,
     verify: bool,
+    device_source: Callable[[], torch.Tensor | None] | None = None,
 ) -> LoadOutcome:
     """Load the shard at ``path`` (its data file, ``manifest.data_nbytes`` bytes) into ``state``.
 
     ``pool``/``workers``: the threads sharing the pass (the calling thread works too).
+    ``device_source()``: called once, at the first CUDA live tensor: a 1-D uint8 CPU tensor over
+    the same bytes, page-locked (the RAM slot registered with CUDA), from which CUDA tensors are
+    copied host-to-device while the CPU checksums; None, or no ``device_source``: CUDA tensors
+    are copied by the codec (pageable).
     ``verify``: compare every chunk's CRC32C with the manifest (which must have them); when
     False the CRCs are still computed and returned. Raises :class:`ShardCorrupt` (a CRC32C
     mismatch, a truncated file: the live state is then partly overwritten, see the module
@@ -240,7 +291,7 @@ def load_shard(
             f.fileno(), n, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
         try:
-            one = _OnePass(manifest, f.fileno(), path, pool, workers)
+            one = _OnePass(manifest, f.fileno(), path, pool, workers, device_source)
             tree = codec.load_into(
                 state, manifest, private, where=str(path), sink=one.sink, flush=one.flush
             )

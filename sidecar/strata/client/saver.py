@@ -6,27 +6,57 @@ commits the step in the RAM tier with a manifest *without* checksums, and return
 the copy. A background thread then checksums the slot and atomically rewrites the manifest with
 its CRC32Cs (:meth:`strata.tiers.ram.RamTier.seal`); promotion only takes checksummed shards.
 The failure policy is :class:`strata.client.checkpointer.Checkpointer`'s (its module docstring).
+
+Overlapped mode, ``save(step, state, blocking=False)`` (issue 14): encodes the state, takes a
+slot, *enqueues* the copies (CUDA: non-blocking device-to-host copies on a side stream into the
+registered slot; CPU: the copy threads, started in the background) and returns. The step is
+committed by a background thread when the copies complete. The contract:
+
+- until :meth:`Saver.wait_copied` returns, the caller must not change any tensor of ``state``
+  in place (the optimizer step, an in-place buffer update in ``forward``, ``load_state_dict``);
+  reading them (forward/backward) is fine;
+- enforced where it can be: every ``torch.optim.Optimizer`` found in ``state`` gets a step
+  pre-hook that calls ``wait_copied()`` (so ``optimizer.step()`` waits for the copy by itself),
+  the next ``save()`` waits too, and at commit every tensor's version counter is compared with
+  its value at enqueue: a tensor changed in place meanwhile makes the step NOT committed
+  (:class:`strata.errors.StateChanged`, logged and recorded like any failed save; the previous
+  step is intact). Changes the version counter cannot see (writes through ``.data`` or through
+  another process) are not detected.
+
+``prepare(nbytes)`` allocates, maps with ``MAP_POPULATE`` (and registers with CUDA) every slot
+of the ring before a save needs it: the checkpointer calls it in the background at ``restore()``
+and after the first save, so no save pays slot allocation or first-touch page faults.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from strata.client.cuda_host import (
+    CopyHandle,
+    HostRegistry,
+    RegisteredSlotMaps,
+    copy_to_host,
+    holds_cuda,
+)
 from strata.config import Interval
-from strata.errors import ShardUnavailable
-from strata.format import codec
+from strata.errors import ShardUnavailable, StateChanged
+from strata.format import codec, layout
+from strata.format.encode_cache import EncodeCache
 from strata.format.manifest import DEFAULT_CHUNK_SIZE
 from strata.protocol import ClientEvent, SaveEvent
 from strata.tiers.ram import RamTier
-from strata.tiers.slots import SlotLease, SlotMaps, SlotProvider, SlotWriteLock
+from strata.tiers.slots import SlotLease, SlotProvider, SlotWriteLock, slots_dir
 
 log = logging.getLogger("strata.client")
 
@@ -40,6 +70,8 @@ class Saver:
     that a report never overtakes the checksum of its step). ``report``: receives one
     :class:`strata.protocol.SaveEvent` per save. ``copy_threads``: threads copying into a slot.
     ``raise_on_error``: raise every save failure instead of returning False.
+    ``register_limit_bytes``: the most slot bytes page-locked with CUDA at once (None: the
+    driver's limits only); see :mod:`strata.client.cuda_host`.
     """
 
     def __init__(
@@ -56,6 +88,7 @@ class Saver:
         report: Callable[[ClientEvent], None],
         copy_threads: int = 4,
         raise_on_error: bool = False,
+        register_limit_bytes: int | None = None,
     ) -> None:
         self.ram = ram
         self.slot_provider = slot_provider
@@ -68,7 +101,14 @@ class Saver:
         self.report = report
         self.raise_on_error = raise_on_error
         self.chunk_size = DEFAULT_CHUNK_SIZE
-        self._maps = SlotMaps()
+        self.host = HostRegistry(register_limit_bytes)
+        self._maps = RegisteredSlotMaps(self.host)
+        self._overlap = ThreadPoolExecutor(1, thread_name_prefix="strata-overlap")
+        self._inflight: Future[bool] | None = None
+        self._streams: dict[Any, Any] = {}
+        self._hooked: dict[int, Any] = {}
+        self._prepared: tuple[int, bool] | None = None
+        self._enc_cache = EncodeCache()
         self.copy_threads = max(1, copy_threads)
         self.copy_pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="strata-copy")
         """The copy threads (saves; restores use them too: training waits for both)."""
@@ -83,6 +123,8 @@ class Saver:
         self.stall_seconds: list[float] = []
         """The stall of every successful save, seconds, in order."""
         self.last_saved_step: int | None = None
+        self.overlap_wait_seconds: list[float] = []
+        """Per :meth:`wait_copied` that found a copy in flight, how long it blocked, seconds."""
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due for a RAM checkpoint (``ram.every``: steps and/or seconds)."""
@@ -95,35 +137,32 @@ class Saver:
             self._last_save_time is None or time.monotonic() - self._last_save_time >= every.seconds
         )
 
-    def save(self, step: int, state: Any) -> bool:
-        """Snapshot ``state`` as ``step`` into the RAM tier; True when committed there.
+    def save(self, step: int, state: Any, blocking: bool = True) -> bool:
+        """Snapshot ``state`` as ``step`` into the RAM tier.
 
-        Blocks only for the copy into a RAM slot (the stall, recorded in ``stall_seconds``).
-        Returns False after logging and recording a failure (see the module docstring's failure
-        policy). Raises ValueError for a step that is not a non-negative int.
+        ``blocking``: True returns when the step is committed in RAM (True) or the save failed
+        (False); the stall is the copy. False (overlapped, see the module docstring) returns
+        True once the copies are enqueued; the outcome is :meth:`wait_copied`'s. Each stall
+        (time this call blocked) is recorded in ``stall_seconds``. Failures follow the module
+        docstring's policy. Raises ValueError for a step that is not a non-negative int.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
+        self.wait_copied()  # one save in flight at a time
         # Encoding allocates several objects per tensor; with the cyclic collector on, that
         # triggers collections that walk the whole heap: half of the stall of a 10,000-tensor
         # state (bench W3: 0.46 -> 0.22 s). Nothing cyclic is created here.
         collect = gc.isenabled()
         gc.disable()
         try:
-            self._save(step, state)
+            if blocking:
+                nbytes = self._save(step, state)
+            else:
+                self._enqueue(step, state, t0)
+                nbytes = 0
         except Exception as exc:
-            self.failed_saves += 1
-            self.last_error = f"save of step {step} failed: {exc}"
-            log.error(
-                "strata: save of step %d failed (training continues; the previous committed "
-                "step is intact): %s",
-                step,
-                exc,
-            )
-            self.report(
-                SaveEvent(job_id=self.job_id, rank=self.rank, step=step, ok=False, error=str(exc))
-            )
+            self._failed(step, exc)
             if self.raise_on_error:
                 raise
             return False
@@ -131,6 +170,27 @@ class Saver:
             if collect:
                 gc.enable()
         stall = time.perf_counter() - t0
+        if blocking:
+            self._succeeded(step, stall)
+            self._after_save(nbytes)
+        else:
+            self.last_stall_seconds = stall
+        return True
+
+    def _failed(self, step: int, exc: BaseException) -> None:
+        self.failed_saves += 1
+        self.last_error = f"save of step {step} failed: {exc}"
+        log.error(
+            "strata: save of step %d failed (training continues; the previous committed "
+            "step is intact): %s",
+            step,
+            exc,
+        )
+        self.report(
+            SaveEvent(job_id=self.job_id, rank=self.rank, step=step, ok=False, error=str(exc))
+        )
+
+    def _succeeded(self, step: int, stall: float) -> None:
         self.report(
             SaveEvent(job_id=self.job_id, rank=self.rank, step=step, ok=True, stall_seconds=stall)
         )
@@ -139,31 +199,202 @@ class Saver:
         self.saves += 1
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
-        return True
 
-    def _save(self, step: int, state: Any) -> None:
-        enc = codec.encode(state)
+    def _stream(self, enc: codec.EncodedState) -> Any:
+        if not holds_cuda(enc):
+            return None
+        self._maps.register = True
+        device = next(s.device for s in enc.sources if s.device.type == "cuda")
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        return self._streams[device]
+
+    def _save(self, step: int, state: Any) -> int:
+        enc = codec.encode(state, cache=self._enc_cache)
+        stream = self._stream(enc)
         with SlotWriteLock.acquire(
             self.slot_provider, self.job_id, self.rank, enc.data_nbytes
         ) as slot:
             mm = self._maps.get(slot)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             try:
-                codec.write_data(enc, dst, pool=self.copy_pool)
+                copy_to_host(enc, dst, self.copy_pool, stream).wait()
             finally:
                 del dst
-            manifest = enc.manifest(
-                job_id=self.job_id,
-                step=step,
-                rank=self.rank,
-                world_size=self.world_size,
-                writer_id=self.writer_id,
-                chunk_size=self.chunk_size,
-            )
-            self.ram.commit_slot(self.job_id, step, self.rank, slot, manifest)
+            self._commit(step, enc, slot)
+        return enc.data_nbytes
+
+    def _commit(self, step: int, enc: codec.EncodedState, slot: Any) -> None:
+        manifest = enc.manifest(
+            job_id=self.job_id,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            writer_id=self.writer_id,
+            chunk_size=self.chunk_size,
+        )
+        self.ram.commit_slot(self.job_id, step, self.rank, slot, manifest)
         fut = self._bg.submit(self._checksum, step, manifest.created.isoformat())
         with self._pending_lock:
             self._pending = [f for f in self._pending if not f.done()] + [fut]
+
+    # -- overlapped mode ----------------------------------------------------------------------
+
+    def _enqueue(self, step: int, state: Any, t0: float) -> None:
+        enc = codec.encode(state, cache=self._enc_cache)
+        versions = [_version(t) for t in enc.live]
+        stream = self._stream(enc)
+        lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
+        try:
+            mm = self._maps.get(lock.path)
+            dst = torch.frombuffer(mm, dtype=torch.uint8)
+            handle = copy_to_host(enc, dst, self.copy_pool, stream, background=self._overlap)
+        except BaseException:
+            lock.release()
+            raise
+        self._hook_optimizers(state)
+        stall = time.perf_counter() - t0
+        self._inflight = self._overlap.submit(
+            self._complete, step, enc, versions, lock, handle, dst, stall
+        )
+
+    def _complete(
+        self,
+        step: int,
+        enc: codec.EncodedState,
+        versions: list[int],
+        lock: SlotWriteLock,
+        handle: CopyHandle,
+        dst: torch.Tensor,
+        stall: float,
+    ) -> bool:
+        try:
+            try:
+                handle.wait()
+                del dst
+                changed = [
+                    i
+                    for i, (t, v) in enumerate(zip(enc.live, versions, strict=True))
+                    if v >= 0 and _version(t) != v
+                ]
+                if changed:
+                    raise StateChanged(
+                        f"{len(changed)} tensor(s) of the state changed in place while an "
+                        f"overlapped save of step {step} was copying them, so that step is not "
+                        "committed; call wait_copied() (or let optimizer.step() do it) before "
+                        "changing the state"
+                    )
+                self._commit(step, enc, lock.path)
+            finally:
+                lock.release()
+        except Exception as exc:
+            self._failed(step, exc)
+            if self.raise_on_error:
+                raise
+            return False
+        self._succeeded(step, stall)
+        self._after_save(enc.data_nbytes)
+        return True
+
+    def wait_copied(self, timeout: float | None = None) -> bool | None:
+        """Block until the overlapped save in flight (if any) has copied and committed.
+
+        Returns True (committed), False (it failed: see ``last_error``) or None (nothing was in
+        flight). Safe to call at any time; optimizers in an overlapped save's state call it
+        before each step. Raises the save's error when ``raise_on_error``.
+        """
+        fut = self._inflight
+        if fut is None:
+            return None
+        t0 = time.perf_counter()
+        ok = fut.result(timeout=timeout)
+        if self._inflight is fut:
+            self._inflight = None
+            self.overlap_wait_seconds.append(time.perf_counter() - t0)
+        return ok
+
+    def _hook_optimizers(self, state: Any) -> None:
+        for opt in _optimizers(state):
+            if id(opt) not in self._hooked:
+                self._hooked[id(opt)] = opt.register_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, *_args: Any, **_kw: Any) -> None:
+        self.wait_copied()
+
+    # -- slots before the first save ----------------------------------------------------------
+
+    def prepare(self, nbytes: int, cuda: bool = False) -> int:
+        """Allocate the slot ring for states of ``nbytes`` bytes and map (pre-fault) every slot
+        that holds them, registering them with CUDA when ``cuda``; the number of slots mapped.
+
+        Taking a slot may un-commit the oldest RAM step beyond ``ram.keep``, as the next save
+        would. Raises what slot allocation raises (:class:`strata.errors.TierFull`, ...).
+        """
+        if nbytes <= 0:
+            return 0
+        if cuda:
+            self._maps.register = True
+        if len(self._slots_for(nbytes)) < self.ram.keep + 1:
+            # The provider allocates the whole ring on first use. Only then: taking a slot
+            # lock here while a save looks for one would make that save skip the slot.
+            with SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, nbytes):
+                pass
+        mapped = 0
+        for path in self._slots_for(nbytes):
+            self._maps.get(path)
+            mapped += 1
+        self._prepared = (nbytes, cuda)
+        return mapped
+
+    def _slots_for(self, nbytes: int) -> list[Path]:
+        try:
+            entries = list(os.scandir(slots_dir(self.ram.root, self.job_id, self.rank)))
+        except FileNotFoundError:
+            return []
+        return sorted(
+            Path(e.path)
+            for e in entries
+            if layout.parse_slot(e.name) is not None and e.stat().st_size >= nbytes
+        )
+
+    def host_view(self, data_path: Path) -> torch.Tensor | None:
+        """A 1-D uint8 CPU tensor over this rank's RAM slot that is ``data_path`` (a committed
+        shard's data file: the same inode), mapped and registered with CUDA, so that a restore
+        copies host-to-device from page-locked memory; the registration stays for the next
+        saves into that slot. None when ``data_path`` is no slot of this rank or registration
+        is unavailable (see :mod:`strata.client.cuda_host`)."""
+        ino = os.stat(data_path).st_ino
+        for slot in self._slots_for(0):
+            if os.stat(slot).st_ino == ino:
+                self._maps.register = True
+                mm = self._maps.get(slot)
+                if not self._maps.is_registered(slot):
+                    return None
+                return torch.frombuffer(mm, dtype=torch.uint8)
+        return None
+
+    def prepare_in_background(self, nbytes: int, cuda: bool = False) -> Future[int]:
+        """:meth:`prepare` on the background thread; failures are logged, never raised."""
+
+        def run() -> int:
+            try:
+                return self.prepare(nbytes, cuda)
+            except Exception as exc:
+                log.warning("strata: preparing RAM slots of %d bytes failed: %s", nbytes, exc)
+                return 0
+
+        fut = self._bg.submit(run)
+        with self._pending_lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]  # type: ignore[list-item]
+        return fut
+
+    def _after_save(self, nbytes: int) -> None:
+        # After the first save (or a larger state): map the rest of the ring off the training
+        # thread, so the next save into another slot takes no first-touch page faults.
+        cuda = self._maps.register
+        if self._prepared is None or self._prepared[0] < nbytes or self._prepared[1] != cuda:
+            self._prepared = (nbytes, cuda)
+            self.prepare_in_background(nbytes, cuda)
 
     def _checksum(self, step: int, created: str) -> None:
         try:
@@ -186,7 +417,37 @@ class Saver:
             fut.result(timeout=timeout)
 
     def close(self) -> None:
-        """Stop the copy threads and unmap the slots (after :meth:`wait`; the caller owns
-        ``background``)."""
-        self.copy_pool.shutdown(wait=True)
-        self._maps.close()
+        """Finish an overlapped save in flight, stop the copy threads, unregister and unmap the
+        slots (after :meth:`wait`; the caller owns ``background``)."""
+        try:
+            self.wait_copied()
+        finally:
+            for handle in self._hooked.values():
+                handle.remove()
+            self._hooked.clear()
+            self._overlap.shutdown(wait=True)
+            self.copy_pool.shutdown(wait=True)
+            self._maps.close()
+            self.host.close()
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference-mode tensors have no version counter
+        return -1
+
+
+def _optimizers(state: Any, depth: int = 0) -> list[torch.optim.Optimizer]:
+    """Optimizers in the state tree (dicts, lists, tuples; a few levels deep)."""
+    if isinstance(state, torch.optim.Optimizer):
+        return [state]
+    if depth > 3 or isinstance(state, torch.Tensor):
+        return []
+    if isinstance(state, dict):
+        values: Any = state.values()
+    elif isinstance(state, (list, tuple)):
+        values = state
+    else:
+        return []
+    return [o for v in values for o in _optimizers(v, depth + 1)]

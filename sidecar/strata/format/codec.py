@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from strata.errors import CodecError
+from strata.format.encode_cache import EncodeCache, _Cached
 from strata.format.manifest import ALIGN, DEFAULT_CHUNK_SIZE, Manifest, StorageEntry, TensorEntry
 
 TENSOR_TAG = "__tensor__"
@@ -163,15 +164,22 @@ class _Encoder:
     keep_alive: list[Any] = field(default_factory=list)
     nbytes: int = 0
     on_path: set[int] = field(default_factory=set)
+    cache: EncodeCache | None = None
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
         idx = self.by_tensor.get(id(t))
         if idx is None:
-            idx = self._add_tensor(t, path)
+            hit = self.cache.old.get(id(t)) if self.cache is not None else None
+            if hit is not None and hit.matches(t):
+                idx = self._reuse(t, hit)
+            else:
+                idx = self._add_tensor(t, path)
             self.by_tensor[id(t)] = idx
             self.keep_alive.append(t)  # ids stay unique while encoding
         node: dict[str, Any] = {TENSOR_TAG: idx}
-        if isinstance(t, torch.nn.Parameter):
+        # type(), not isinstance(): Parameter's metaclass makes isinstance cost microseconds,
+        # and _add_tensor admits no other subclass.
+        if type(t) is torch.nn.Parameter:
             node["param"] = True
         return node
 
@@ -193,7 +201,9 @@ class _Encoder:
             )
         if t.is_meta:
             raise TypeError(f"cannot checkpoint {path}: a meta tensor holds no data")
-        if t.is_conj() or t.is_neg():
+        live = t
+        resolved = t.is_conj() or t.is_neg()
+        if resolved:
             t = t.resolve_conj().resolve_neg()
             self.keep_alive.append(t)
         st = t.untyped_storage()
@@ -210,15 +220,63 @@ class _Encoder:
             self.sources.append(src)
             self.by_storage[key] = sidx
             self.nbytes = offset + n
-        self.tensors.append(
-            TensorEntry.model_construct(
-                storage=sidx,
-                dtype=_dtype_name(t.dtype),
-                shape=list(t.shape),
-                stride=list(t.stride()),
-                storage_offset=int(t.storage_offset()),
-                requires_grad=t.requires_grad,
+        entry = TensorEntry.model_construct(
+            storage=sidx,
+            dtype=_dtype_name(t.dtype),
+            shape=list(t.shape),
+            stride=list(t.stride()),
+            storage_offset=int(t.storage_offset()),
+            requires_grad=t.requires_grad,
+        )
+        self.tensors.append(entry)
+        if self.cache is not None and not resolved:
+            self.cache.new[id(live)] = _Cached(
+                live,
+                live.data_ptr(),
+                live.shape,
+                live.stride(),
+                live.dtype,
+                live.requires_grad,
+                key,
+                self.storages[sidx],
+                self.sources[sidx],
+                entry,
             )
+        return len(self.tensors) - 1
+
+    def _reuse(self, t: torch.Tensor, hit: _Cached) -> int:
+        """A tensor encoded by the previous save, unchanged in layout: no torch or pydantic
+        calls, the entries are reused when their place in the data object is the same."""
+        sidx = self.by_storage.get(hit.storage_key)
+        if sidx is None:
+            offset = -(-self.nbytes // ALIGN) * ALIGN
+            se = hit.storage
+            if se.offset != offset:
+                se = StorageEntry.model_construct(offset=offset, nbytes=se.nbytes)
+            sidx = len(self.storages)
+            self.storages.append(se)
+            self.sources.append(hit.source)
+            self.by_storage[hit.storage_key] = sidx
+            self.nbytes = offset + se.nbytes
+        te = hit.entry
+        if te.storage != sidx:
+            te = te.model_copy(update={"storage": sidx})
+        self.tensors.append(te)
+        assert self.cache is not None
+        if te is hit.entry and self.storages[sidx] is hit.storage:
+            self.cache.new[id(t)] = hit
+            return len(self.tensors) - 1
+        self.cache.new[id(t)] = _Cached(
+            t,
+            hit.ptr,
+            hit.shape,
+            hit.stride,
+            hit.dtype,
+            hit.requires_grad,
+            hit.storage_key,
+            self.storages[sidx],
+            hit.source,
+            te,
         )
         return len(self.tensors) - 1
 
@@ -326,15 +384,21 @@ def _is_stateful(obj: Any) -> bool:
     )
 
 
-def encode(state: Any, root: str = "state") -> EncodedState:
+def encode(state: Any, root: str = "state", cache: EncodeCache | None = None) -> EncodedState:
     """Split ``state`` into JSON and storages (nothing is copied yet; see :func:`write_data`).
 
     Raises ``TypeError`` naming the path (``root[...]...``) of the first unsupported value.
     The returned sources alias the live tensors: copy them (:func:`write_data`) before the
-    training loop mutates them.
+    training loop mutates them. ``cache``: see :class:`EncodeCache`.
     """
-    enc = _Encoder()
-    tree = enc.node(state, root)
+    enc = _Encoder(cache=cache)
+    if cache is not None:
+        cache.new = {}
+    try:
+        tree = enc.node(state, root)
+    finally:
+        if cache is not None:
+            cache.old, cache.new = cache.new, {}
     return EncodedState(
         tree=tree,
         tensors=enc.tensors,
