@@ -30,8 +30,10 @@ import contextlib
 import errno
 import logging
 import os
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from strata.config import TierName
@@ -91,6 +93,27 @@ def copy_range(src_fd: int, dst_fd: int, nbytes: int, dst_offset: int = 0) -> No
         if n == 0:
             raise EOFError(f"source ended after {done} of {nbytes} bytes")
         done += n
+
+
+class _Background:
+    """``fn(*args)`` on a thread of its own; :meth:`result` joins it and re-raises its error."""
+
+    def __init__(self, fn: Callable[..., object], *args: object) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # handed to the caller by result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="strata-verify-source", daemon=True)
+        self._thread.start()
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def remove_quietly(path: Path) -> None:
@@ -350,22 +373,40 @@ class PosixTier(Tier):
                 "manifest has no checksums yet (only checksummed shards are promoted)"
             )
         src = Path(src_path)
-        if verify_source:
-            self.verify_file(src, manifest)
+        # The source is checksummed while the kernel copies it (both release the GIL; issue 14:
+        # promotion at the copy floor); a mismatch is found before the manifest is written, so
+        # nothing is committed and the bytes written are removed.
+        check = _Background(self.verify_file, src, manifest) if verify_source else None
         d = self.step_dir(job_id, step)
         data = self.data_path(job_id, step, rank)
         man = self.manifest_path(job_id, step, rank)
         if self._already_committed(job_id, step, rank, manifest):
+            if check is not None:
+                check.result()
             return 0
         written: list[Path] = []
         try:
             self._make_dirs(d)
             if man.exists():
                 # A different copy of this shard is committed: un-commit it before its data is
-                # replaced, so no reader ever pairs the old manifest with new bytes.
+                # replaced, so no reader ever pairs the old manifest with new bytes -- and only
+                # once the new source is known good, so a bad source never costs the old copy.
+                if check is not None:
+                    check.result()
                 man.unlink()
                 self._sync_dir(d)
-            self._write_data(src, data, manifest.data_nbytes, written)
+            try:
+                self._write_data(src, data, manifest.data_nbytes, written)
+            finally:
+                try:
+                    if check is not None:
+                        check.result()
+                except ShardCorrupt:
+                    for p in reversed(written):
+                        remove_quietly(p)
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
+                    raise
             tmp = man.with_name(f"{man.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self._write_file(tmp, manifest.to_json(), written)
             os.rename(tmp, man)
