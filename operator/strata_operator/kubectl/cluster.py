@@ -73,13 +73,17 @@ class Cluster:
         items: list[dict[str, Any]] = resp.get("items", [])
         return sorted(items, key=lambda p: (p["metadata"]["namespace"], p["metadata"]["name"]))
 
-    def pods(self, namespace: str | None) -> list[dict[str, Any]]:
-        """Pods as plain dicts (the API's camelCase JSON)."""
+    def pods(self, namespace: str | None, label_selector: str = "") -> list[dict[str, Any]]:
+        """Pods as plain dicts (the API's camelCase JSON), optionally by label selector."""
         resp: Any
         if namespace is None:
-            resp = self.core.list_pod_for_all_namespaces(_preload_content=False)
+            resp = self.core.list_pod_for_all_namespaces(
+                label_selector=label_selector, _preload_content=False
+            )
         else:
-            resp = self.core.list_namespaced_pod(namespace, _preload_content=False)
+            resp = self.core.list_namespaced_pod(
+                namespace, label_selector=label_selector, _preload_content=False
+            )
         import json
 
         items: list[dict[str, Any]] = json.loads(resp.data).get("items", [])

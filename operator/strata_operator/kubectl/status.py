@@ -117,7 +117,8 @@ def status(cluster: Cluster, args: argparse.Namespace) -> int:
         if not policies:
             where = "any namespace" if namespace is None else f"namespace {namespace}"
             raise PluginError(f"no CheckpointPolicy {args.policy!r} in {where}", EXIT_NOT_FOUND)
-    pods = cluster.pods(namespace) if policies else []
+    # Only pods that name a policy can be unprotected.
+    pods = cluster.pods(namespace, label_selector=POLICY_LABEL) if policies else []
     docs = [policy_doc(p, pods) for p in policies]
     if args.output != "table":
         print_doc(docs, args.output)
