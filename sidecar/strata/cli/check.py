@@ -20,6 +20,7 @@ from typing import Any
 from strata.cli.locations import Location, NotFound
 from strata.cli.output import Advance
 from strata.errors import ShardCorrupt, TierError
+from strata.tiers.references import verify_following_refs
 
 BAD = frozenset({"corrupt", "unreadable"})
 
@@ -79,7 +80,7 @@ def check(t: Target) -> dict[str, Any]:
                 "status": "unchecked",
                 "detail": "no checksums recorded yet (its writer is computing them)",
             }
-        t.loc.tier.verify_shard(t.job, t.step, t.rank)
+        verify_following_refs(t.loc.tier, t.job, t.step, t.rank)
     except ShardCorrupt as exc:
         return {**row, "status": "corrupt", "detail": str(exc)}
     except TierError as exc:

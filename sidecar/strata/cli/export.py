@@ -45,6 +45,7 @@ from strata.errors import StrataError, TierError
 from strata.format import codec
 from strata.format.manifest import Manifest
 from strata.tiers.posix import PosixTier
+from strata.tiers.references import fetch_full
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 INDEX_NAME = "model.safetensors.index.json"
@@ -104,7 +105,10 @@ def read_rank(
             m = tier.get_manifest(job, step, rank)
             if not m.verified:
                 raise TierError("no checksums recorded yet (its writer is computing them)")
-            if isinstance(tier, PosixTier):
+            if m.refs is not None:  # an incremental copy: reassembled with its base's chunks
+                path = scratch / f"rank-{rank}.data"
+                m = fetch_full(tier, job, step, rank, m, path, quarantine=False)
+            elif isinstance(tier, PosixTier):
                 tier.verify_shard(job, step, rank)
                 path = tier.data_path(job, step, rank)
             else:

@@ -401,6 +401,7 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self.wait()
+        self.saver.forget_unchanged()  # a restore writes tensors without bumping their versions
         excluded: list[int] = []
         clobbered = False
         self._restore_tiers()

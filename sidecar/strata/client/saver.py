@@ -4,7 +4,8 @@
 RAM ring (:mod:`strata.tiers.slots`), copies every tensor storage into it (several threads),
 commits the step in the RAM tier with a manifest *without* checksums, and returns: the stall is
 the copy. A background thread then checksums the slot and atomically rewrites the manifest with
-its CRC32Cs (:meth:`strata.tiers.ram.RamTier.seal`); promotion only takes checksummed shards.
+its CRC32Cs (:meth:`strata.tiers.ram.RamTier.seal`) and the per-storage "unchanged since" hint
+(:mod:`strata.client.unchanged`, issue 18); promotion only takes checksummed shards.
 The failure policy is :class:`strata.client.checkpointer.Checkpointer`'s (its module docstring).
 
 Overlapped mode, ``save(step, state, blocking=False)`` (issue 14): encodes the state, takes a
@@ -49,6 +50,7 @@ from strata.client.cuda_host import (
     copy_to_host,
     holds_cuda,
 )
+from strata.client.unchanged import Snapshot, UnchangedTracker
 from strata.config import Interval
 from strata.errors import ShardUnavailable, StateChanged
 from strata.format import codec, layout
@@ -123,6 +125,7 @@ class Saver:
         self.stall_seconds: list[float] = []
         """The stall of every successful save, seconds, in order."""
         self.last_saved_step: int | None = None
+        self._unchanged = UnchangedTracker()
         self.overlap_wait_seconds: list[float] = []
         """Per :meth:`wait_copied` that found a copy in flight, how long it blocked, seconds."""
 
@@ -221,10 +224,14 @@ class Saver:
                 copy_to_host(enc, dst, self.copy_pool, stream).wait()
             finally:
                 del dst
-            self._commit(step, enc, slot)
+            self._commit(step, enc, slot, [_version(t) for t in enc.live])
         return enc.data_nbytes
 
-    def _commit(self, step: int, enc: codec.EncodedState, slot: Any) -> None:
+    def _commit(
+        self, step: int, enc: codec.EncodedState, slot: Any, versions: list[int]
+    ) -> None:
+        """Commit the copied slot; ``versions``: the version counters of ``enc.live`` as of
+        the bytes copied (the "unchanged since" hint, :mod:`strata.client.unchanged`)."""
         manifest = enc.manifest(
             job_id=self.job_id,
             step=step,
@@ -234,7 +241,8 @@ class Saver:
             chunk_size=self.chunk_size,
         )
         self.ram.commit_slot(self.job_id, step, self.rank, slot, manifest)
-        fut = self._bg.submit(self._checksum, step, manifest.created.isoformat())
+        snap = Snapshot(list(enc.live), versions, list(enc.sources))
+        fut = self._bg.submit(self._checksum, step, manifest.created.isoformat(), snap)
         with self._pending_lock:
             self._pending = [f for f in self._pending if not f.done()] + [fut]
 
@@ -284,7 +292,7 @@ class Saver:
                         "committed; call wait_copied() (or let optimizer.step() do it) before "
                         "changing the state"
                     )
-                self._commit(step, enc, lock.path)
+                self._commit(step, enc, lock.path, versions)
             finally:
                 lock.release()
         except Exception as exc:
@@ -396,18 +404,24 @@ class Saver:
             self._prepared = (nbytes, cuda)
             self.prepare_in_background(nbytes, cuda)
 
-    def _checksum(self, step: int, created: str) -> None:
+    def _checksum(self, step: int, created: str, snap: Snapshot) -> None:
         try:
+            # The hint is tracked even when the shard is gone: the next save compares with it.
+            unchanged = self._unchanged.since(step, snap)
             with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
                 m = lease.manifest
                 if m is None or m.verified or m.created.isoformat() != created:
                     return
-                self.ram.seal(lease)
+                self.ram.seal(lease, unchanged)
         except ShardUnavailable as exc:
             log.info("strata: step %d left the RAM tier before its checksum pass: %s", step, exc)
         except Exception as exc:
             self.last_error = f"checksum of step {step} failed: {exc}"
             log.error("strata: checksum pass of step %d failed: %s", step, exc)
+
+    def forget_unchanged(self) -> None:
+        """Start the "unchanged since" hint afresh (after a restore wrote the live tensors)."""
+        self._unchanged = UnchangedTracker()
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every background checksum pass submitted so far has finished."""

@@ -54,6 +54,27 @@ class TensorEntry(BaseModel):
     requires_grad: bool = False
 
 
+class ChunkRefs(BaseModel):
+    """An incremental shard (issue 18): chunks of the *logical* data object that this tier does
+    not store again because they are byte-identical to the same chunks of ``base_step`` (a full
+    shard of the same rank, incarnation and layout, committed in the same tier).
+
+    The stored data object holds only the other chunks, in order (its ``data_nbytes``,
+    ``chunk_crc32c`` and ``crc32c`` describe what is stored); the logical object (what a restore
+    loads, what the codec's offsets address) is ``logical_nbytes`` bytes with per-chunk CRC32Cs
+    ``logical_chunk_crc32c`` and whole CRC32C ``logical_crc32c``. See
+    :mod:`strata.format.incremental`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    base_step: Annotated[int, Field(ge=0)]
+    chunks: list[Annotated[int, Field(ge=0)]]
+    """Logical chunk indices read from ``base_step``'s data object (ascending)."""
+    logical_nbytes: Annotated[int, Field(ge=0)]
+    logical_chunk_crc32c: list[int]
+    logical_crc32c: int
+
+
 class Manifest(BaseModel):
     """The commit record of rank ``rank``'s shard of step ``step`` of job ``job_id``."""
 
@@ -80,6 +101,12 @@ class Manifest(BaseModel):
     chunk_crc32c: list[int] | None = None
     crc32c: int | None = None
     """None only transiently in the RAM tier, before the background checksum pass."""
+    unchanged_since: list[int] | None = None
+    """Per storage: the step since which the trainer saw the storage unchanged (same address
+    and size, no tensor version-counter bump). A HINT only, confirmed by CRC32C before any
+    bytes are referenced instead of copied (issue 18); None: no hint."""
+    refs: ChunkRefs | None = None
+    """Set only on an incremental copy in a durable tier (never in RAM); see :class:`ChunkRefs`."""
 
     def check_identity(self, job_id: str, step: int, rank: int, world_size: int | None) -> None:
         """Raise :class:`ManifestError` when this manifest is not the shard that was asked for."""

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from strata.errors import ShardCorrupt, ShardUnavailable, StageError, TierError
+from strata.format.incremental import logical_nbytes
 from strata.format.manifest import Manifest
 from strata.tiers.base import Tier
 from strata.tiers.ram import RamTier
+from strata.tiers.references import fetch_full
 from strata.tiers.slots import SlotProvider, SlotWriteLock
 
 
@@ -61,7 +63,9 @@ def stage_shard(
     - a tier that serves in place (:meth:`Tier.read_in_place`; the RAM tier) is verified where
       it lies (a shard whose writer died before its checksum pass is checksummed now; noted in
       ``skipped``); ``path`` is that tier's data file.
-    - any other tier: ``fetch_shard`` into ``slot_path`` (verified while copying).
+    - any other tier: ``fetch_shard`` into ``slot_path`` (verified while copying); an
+      incremental copy is reassembled with its base's chunks (:func:`fetch_full`, always
+      verified) and the full manifest is returned.
     - ``ShardCorrupt`` (checksum mismatch, truncation, a manifest naming another shard):
       that copy is quarantined and the next tier is tried. ``ShardUnavailable`` / other
       ``TierError`` (missing, another job or version or world size, unreachable): noted, next.
@@ -87,8 +91,12 @@ def stage_shard(
             else:
                 m = tier.get_manifest(job_id, step, rank)
                 _check_world(m, world_size, tier)
-                path = slot_path(m.data_nbytes) if callable(slot_path) else Path(slot_path)
-                m = tier.fetch_shard(job_id, step, rank, path, verify=verify)
+                n = logical_nbytes(m)
+                path = slot_path(n) if callable(slot_path) else Path(slot_path)
+                if m.refs is not None:  # an incremental copy: its base's chunks too (issue 18)
+                    m = fetch_full(tier, job_id, step, rank, m, path)
+                else:
+                    m = tier.fetch_shard(job_id, step, rank, path, verify=verify)
                 _check_world(m, world_size, tier)
         except ShardCorrupt as exc:
             skipped.append(f"{tier.name}: {exc} (quarantined)")

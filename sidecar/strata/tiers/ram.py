@@ -166,7 +166,13 @@ class RamTier(PosixTier):
             raise
 
     def update_checksums(
-        self, job_id: str, step: int, rank: int, chunk_crc32c: list[int], crc32c: int
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        chunk_crc32c: list[int],
+        crc32c: int,
+        unchanged_since: list[int] | None = None,
     ) -> Manifest | None:
         """Record checksums in a committed, not yet checksummed manifest (caller holds a lease).
 
@@ -179,19 +185,25 @@ class RamTier(PosixTier):
             return None
         if current.verified:
             return None
-        updated = current.model_copy(update={"chunk_crc32c": chunk_crc32c, "crc32c": crc32c})
+        update: dict[str, object] = {"chunk_crc32c": chunk_crc32c, "crc32c": crc32c}
+        if unchanged_since is not None:
+            update["unchanged_since"] = unchanged_since
+        updated = current.model_copy(update=update)
         self.write_manifest(job_id, step, rank, updated)
         return updated
 
-    def seal(self, lease: SlotLease) -> Manifest | None:
+    def seal(self, lease: SlotLease, unchanged_since: list[int] | None = None) -> Manifest | None:
         """Checksum a leased committed shard whose manifest has no checksums yet and record them
-        (:meth:`update_checksums`). Returns the manifest as now committed, or None when the shard
-        was un-committed or checksummed by someone else meanwhile."""
+        (:meth:`update_checksums`), with the trainer's ``unchanged_since`` hint per storage when
+        given. Returns the manifest as now committed, or None when the shard was un-committed or
+        checksummed by someone else meanwhile."""
         m = lease.manifest
         if m is None:
             return None
         crcs, whole = crc.file_chunk_crcs(lease.path, m.data_nbytes, m.chunk_size)
-        return self.update_checksums(lease.job_id, lease.step, lease.rank, crcs, whole)
+        return self.update_checksums(
+            lease.job_id, lease.step, lease.rank, crcs, whole, unchanged_since
+        )
 
     def read_in_place(
         self, job_id: str, step: int, rank: int, *, world_size: int | None, verify: bool

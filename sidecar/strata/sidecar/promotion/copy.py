@@ -12,14 +12,19 @@ the lease keeps this step's slot from being reused).
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from strata.config import TierName
 from strata.errors import ShardCorrupt, ShardUnavailable, TierError
+from strata.format.incremental import incremental_manifest, plan_refs, worth_it
+from strata.format.incremental import same_logical_shard as _same
 from strata.format.manifest import Manifest
 from strata.sidecar.promotion.events import EventKind, PromotionEvent
 from strata.tiers.base import Tier
 from strata.tiers.ram import RamTier
+from strata.tiers.references import write_incremental
 from strata.tiers.slots import SlotLease
 
 log = logging.getLogger("strata.promotion")
@@ -31,6 +36,8 @@ class ShardCopier:
     ``durable``: durable tiers, fastest first. ``lease_timeout``: seconds to wait for a slot's
     writer. ``backoff_seconds``: delay after the first failure, doubled after each further one.
     ``emit``: receives every :class:`PromotionEvent`. ``clock``: monotonic seconds.
+    ``incremental``: store a shard whose chunks mostly equal the newest full shard of the same
+    rank in the destination as an incremental copy (:mod:`strata.format.incremental`).
     """
 
     def __init__(
@@ -44,6 +51,7 @@ class ShardCopier:
         lease_timeout: float,
         max_attempts: int,
         backoff_seconds: float,
+        incremental: bool = True,
     ) -> None:
         self.job_id = job_id
         self.ram = ram
@@ -53,6 +61,10 @@ class ShardCopier:
         self.lease_timeout = lease_timeout
         self.max_attempts = max_attempts
         self.backoff_seconds = backoff_seconds
+        self.incremental = incremental
+        self.bases: dict[tuple[TierName, int], int] = {}
+        """(tier, rank) -> the newest full shard this copier committed there (the base that
+        later incremental copies reference, issue 18)."""
         self.attempts: dict[tuple[TierName, int, int], tuple[int, float]] = {}
         """(tier, step, rank) -> (failed attempts, not before this clock time)."""
 
@@ -99,7 +111,8 @@ class ShardCopier:
         return True, nbytes, ""
 
     def holds(self, tier: Tier, step: int, rank: int, manifest: Manifest) -> bool:
-        """The tier already holds this exact shard committed (same CRC32C and length)."""
+        """The tier already holds this exact shard committed (same logical CRC32C and length,
+        as a full or an incremental copy)."""
         try:
             current = tier.get_manifest(self.job_id, step, rank)
         except ShardCorrupt as exc:
@@ -107,17 +120,48 @@ class ShardCopier:
             return False
         except ShardUnavailable:
             return False
-        return current.crc32c == manifest.crc32c and current.data_nbytes == manifest.data_nbytes
+        return _same(current, manifest)
+
+    def _holds_full(self, tier: Tier, step: int, rank: int, manifest: Manifest) -> bool:
+        """The tier holds this shard as a full copy (its data file can be a copy source)."""
+        try:
+            current = tier.get_manifest(self.job_id, step, rank)
+        except ShardUnavailable:
+            return self.holds(tier, step, rank, manifest)  # quarantines a corrupt one
+        return current.refs is None and _same(current, manifest)
+
+    def _put(
+        self, name: TierName, dest: Tier, step: int, rank: int, path: Path, m: Manifest
+    ) -> int:
+        """Commit the full shard at ``path`` into ``dest``: incrementally when a base there
+        shares enough of it, else in full (it then becomes the base)."""
+        base = self.bases.get((name, rank)) if self.incremental else None
+        if base is not None and base < step:
+            try:
+                base_m = dest.get_manifest(self.job_id, base, rank)
+            except TierError:
+                base_m = None
+            chunks = plan_refs(m, base_m) if base_m is not None else []
+            if worth_it(m, chunks):
+                stored = incremental_manifest(m, base, chunks)
+                with tempfile.TemporaryDirectory(prefix="strata-inc-") as tmp:
+                    data = Path(tmp) / "data"
+                    write_incremental(path, stored, data)
+                    return dest.put_shard(self.job_id, step, rank, data, stored)
+        n = dest.put_shard(self.job_id, step, rank, path, m)
+        if m.refs is None and (base is None or base < step):
+            self.bases[(name, rank)] = step
+        return n
 
     def _copy(self, name: TierName, dest: Tier, step: int, rank: int, manifest: Manifest) -> int:
         for source_name, source in self.durable.items():
             if source_name == name:
                 break  # only faster tiers than the destination
             path = source.data_path(self.job_id, step, rank)
-            if path is None or not self.holds(source, step, rank, manifest):
+            if path is None or not self._holds_full(source, step, rank, manifest):
                 continue
             try:
-                return dest.put_shard(self.job_id, step, rank, path, manifest)
+                return self._put(name, dest, step, rank, path, manifest)
             except ShardCorrupt as exc:
                 # That copy does not match its manifest: quarantine it, fall back to RAM now.
                 self.quarantine(source, step, rank, str(exc))
@@ -128,7 +172,7 @@ class ShardCopier:
                     f"RAM shard rank {rank} of step {step} changed while being promoted"
                 )
             try:
-                return dest.put_shard(self.job_id, step, rank, lease.path, current)
+                return self._put(name, dest, step, rank, lease.path, current)
             except ShardCorrupt as exc:
                 self.quarantine(self.ram, step, rank, str(exc))
                 raise

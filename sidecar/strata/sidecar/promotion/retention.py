@@ -4,7 +4,8 @@ Per durable tier: complete steps beyond ``keep`` lose this sidecar's ranks
 (:func:`plan_retention`, a pure function); incomplete steps older than the newest complete step
 lose this sidecar's uncommitted data and the shards it wrote itself (writer id) after
 ``gc_grace_seconds``; then the tier collects leftovers outside the layout
-(:meth:`strata.tiers.base.Tier.gc_incomplete`).
+(:meth:`strata.tiers.base.Tier.gc_incomplete`). A step that a kept step references as its base
+(an incremental copy, :mod:`strata.format.incremental`) is never deleted.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from strata.errors import ShardUnavailable, TierError
 from strata.sidecar.promotion.events import PromotionEvent
 from strata.sidecar.promotion.policies import RetentionPolicy
 from strata.tiers.base import StepListing, Tier
+from strata.tiers.references import referenced_bases
 
 log = logging.getLogger("strata.promotion")
 
@@ -119,6 +121,15 @@ class Retention:
             first_seen=first_seen,
         )
         touched: list[int] = []
+        # A base step lives as long as a step that is kept references it (issue 18).
+        pruned = set(plan.prune) | set(plan.gc)
+        kept = [s for s, lst in listings.items() if s not in pruned and lst.committed_ranks]
+        needed = referenced_bases(tier, self.job_id, kept, ranks)
+        plan = RetentionPlan(
+            prune=tuple(s for s in plan.prune if s not in needed),
+            gc=tuple(s for s in plan.gc if s not in needed),
+            waiting=plan.waiting,
+        )
         for step in plan.prune:
             listing = listings[step]
             mine = frozenset(ranks & (listing.committed_ranks | listing.partial_ranks))

@@ -1,0 +1,176 @@
+"""Reading and writing incremental shards (:mod:`strata.format.incremental`) through the
+:class:`~strata.tiers.base.Tier` contract, so every tier (PVC, GCS, ...) gets them alike.
+
+- :func:`write_incremental`: the stored object of an incremental copy (the chunks it does not
+  reference, back to back), from a local file of the full data object.
+- :func:`fetch_full`: a committed incremental copy reassembled into a local file (a RAM slot):
+  its own chunks from its stored object, the referenced ones from its base in the same tier,
+  every chunk checked against the logical CRC32C before the file is handed out.
+- :func:`verify_following_refs`: verification of a committed copy and of what it references.
+- :func:`referenced_bases`: the base steps that kept steps reference (retention keeps them).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from strata.errors import ShardCorrupt, ShardUnavailable, TierError
+from strata.format import crc
+from strata.format.incremental import chunk_len, full_manifest, own_chunks, stored_ranges
+from strata.format.manifest import Manifest
+from strata.tiers.base import Tier
+
+
+def _pread_exact(fd: int, n: int, offset: int, where: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise ShardCorrupt(f"{where}: short read at byte {offset} (truncated); quarantine it")
+    return data
+
+
+def write_incremental(src: Path, stored: Manifest, dst: Path) -> int:
+    """Write the stored object of the incremental manifest ``stored`` into ``dst`` from
+    ``src`` (the full data object); returns its length in bytes. Each chunk is checked against
+    its CRC32C on the way (:class:`ShardCorrupt`: the source changed or is corrupt)."""
+    expected = stored.chunk_crc32c or []
+    written = 0
+    sfd = os.open(src, os.O_RDONLY)
+    try:
+        with open(dst, "wb") as out:
+            for j, (logical_off, _stored_off, n) in enumerate(stored_ranges(stored)):
+                piece = _pread_exact(sfd, n, logical_off, str(src))
+                if crc.crc32c(piece) != expected[j]:
+                    raise ShardCorrupt(
+                        f"{src}: CRC32C mismatch at byte {logical_off} against its manifest"
+                    )
+                out.write(piece)
+                written += n
+            out.flush()
+    finally:
+        os.close(sfd)
+    return written
+
+
+def _local_data(tier: Tier, job_id: str, step: int, rank: int, tmp: Path) -> Path:
+    """A local file of the committed data object (where it lies, or fetched and verified)."""
+    path = tier.data_path(job_id, step, rank)
+    if path is not None:
+        return path
+    out = tmp / f"step-{step}"
+    tier.fetch_shard(job_id, step, rank, out, verify=True)
+    return out
+
+
+def fetch_full(
+    tier: Tier,
+    job_id: str,
+    step: int,
+    rank: int,
+    stored: Manifest,
+    dst: Path,
+    *,
+    quarantine: bool = True,
+) -> Manifest:
+    """Reassemble the committed incremental copy ``stored`` of ``tier`` into ``dst`` (created
+    if missing, never truncated: it may be a RAM slot) and return the full manifest.
+
+    Every chunk is checked against the logical CRC32C while it is copied. Raises
+    :class:`ShardUnavailable` when the base is not committed in ``tier`` (the step cannot be
+    served from here); :class:`ShardCorrupt` when a chunk does not match: the base's copy is
+    quarantined first when the bad chunk came from it (the caller quarantines the step and
+    falls back to another tier); ``quarantine=False`` (a read-only check) leaves the base as is.
+    """
+    refs = stored.refs
+    if refs is None:
+        raise ValueError("fetch_full needs an incremental manifest")
+    full = full_manifest(stored)
+    base_m = tier.get_manifest(job_id, refs.base_step, rank)
+    if base_m.refs is not None or base_m.data_nbytes != refs.logical_nbytes:
+        raise ShardCorrupt(
+            f"{tier.name}: step {step} rank {rank} references step {refs.base_step}, which is "
+            "not a full shard of the same length; restore from another tier"
+        )
+    logical = refs.logical_crc32c
+    expected = refs.logical_chunk_crc32c
+    with tempfile.TemporaryDirectory(prefix="strata-refs-") as tmpdir:
+        tmp = Path(tmpdir)
+        try:
+            base_path = _local_data(tier, job_id, refs.base_step, rank, tmp)
+        except ShardCorrupt as exc:
+            if quarantine:
+                tier.quarantine(job_id, refs.base_step, rank, str(exc))
+            raise ShardCorrupt(
+                f"{tier.name}: base step {refs.base_step} of step {step} rank {rank} is "
+                f"corrupt ({exc}); restore from another tier"
+            ) from None
+        own_path = _local_data(tier, job_id, step, rank, tmp)
+        own_at = {k: j * stored.chunk_size for j, k in enumerate(own_chunks(stored))}
+        bfd = os.open(base_path, os.O_RDONLY)
+        ofd = os.open(own_path, os.O_RDONLY)
+        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            crcs = []
+            for k in range(crc.n_chunks(refs.logical_nbytes, stored.chunk_size)):
+                n = chunk_len(refs.logical_nbytes, stored.chunk_size, k)
+                if k in own_at:
+                    piece = _pread_exact(ofd, n, own_at[k], str(own_path))
+                else:
+                    piece = _pread_exact(bfd, n, k * stored.chunk_size, str(base_path))
+                c = crc.crc32c(piece)
+                if c != expected[k]:
+                    if k not in own_at:
+                        reason = f"chunk {k} referenced by step {step} does not match its CRC32C"
+                        if quarantine:
+                            tier.quarantine(job_id, refs.base_step, rank, reason)
+                        raise ShardCorrupt(
+                            f"{tier.name}: base step {refs.base_step} of step {step} rank "
+                            f"{rank}: {reason}; restore from another tier"
+                        )
+                    raise ShardCorrupt(
+                        f"{tier.name}: step {step} rank {rank}: chunk {k} does not match its "
+                        "CRC32C; quarantine it and restore from another tier"
+                    )
+                crcs.append(c)
+                os.pwrite(dfd, piece, k * stored.chunk_size)
+        except OSError as exc:
+            raise TierError(
+                f"reassembling step {step} rank {rank} into {dst} failed: {exc}"
+            ) from exc
+        finally:
+            os.close(bfd)
+            os.close(ofd)
+            os.close(dfd)
+    if crcs and crc.combine_chunks(crcs, refs.logical_nbytes, stored.chunk_size) != logical:
+        raise ShardCorrupt(f"{tier.name}: step {step} rank {rank}: whole CRC32C mismatch")
+    return full
+
+
+def verify_following_refs(tier: Tier, job_id: str, step: int, rank: int) -> Manifest:
+    """:meth:`Tier.verify_shard`, and for an incremental copy also every chunk it takes from its
+    base (read-only: nothing is quarantined). Returns the stored manifest; raises as
+    :func:`fetch_full` does."""
+    m = tier.verify_shard(job_id, step, rank)
+    if m.refs is not None:
+        fetch_full(tier, job_id, step, rank, m, Path(os.devnull), quarantine=False)
+    return m
+
+
+def referenced_bases(
+    tier: Tier, job_id: str, steps: Iterable[int], ranks: Iterable[int]
+) -> set[int]:
+    """Base steps referenced by the committed shards of ``ranks`` in ``steps`` of ``tier``
+    (shards that cannot be read are skipped: they reference nothing we can honour)."""
+    out: set[int] = set()
+    ranks = list(ranks)
+    for step in steps:
+        for rank in ranks:
+            try:
+                m = tier.get_manifest(job_id, step, rank)
+            except (ShardUnavailable, TierError):
+                continue
+            if m.refs is not None:
+                out.add(m.refs.base_step)
+    return out
