@@ -227,9 +227,7 @@ class Saver:
             self._commit(step, enc, slot, [_version(t) for t in enc.live])
         return enc.data_nbytes
 
-    def _commit(
-        self, step: int, enc: codec.EncodedState, slot: Any, versions: list[int]
-    ) -> None:
+    def _commit(self, step: int, enc: codec.EncodedState, slot: Any, versions: list[int]) -> None:
         """Commit the copied slot; ``versions``: the version counters of ``enc.live`` as of
         the bytes copied (the "unchanged since" hint, :mod:`strata.client.unchanged`)."""
         manifest = enc.manifest(

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class Snapshot:
     """What one save saw: the encoded tensors, their version counters as of the bytes copied
