@@ -11,7 +11,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
 .PHONY: help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
-        manifests manifests-check bench bench-smoke tools cluster-up cluster-down clean
+        manifests manifests-check bench bench-smoke tools cluster-up cluster-down scale clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -80,7 +80,7 @@ manifests-check: $(STAMP) tools ## fail when manifests/strata.yaml, the chart's 
 	@bash charts/strata/hack/render-manifests.sh | cmp -s - manifests/strata.yaml \
 	  || { echo "manifests/strata.yaml is stale: run make manifests"; exit 1; }
 
-tools: ## build (or reuse) kube-apiserver, controller-manager, scheduler, kwok, helm into ~/.cache/strata
+tools: ## build (or reuse) kube-apiserver, controller-manager, scheduler, kwok, helm, JobSet and PyTorchJob controllers into ~/.cache/strata
 	bash e2e/build-tools.sh
 
 cluster-up: $(STAMP) tools ## start the local control plane (etcd, apiserver, controller-manager, scheduler, kwok)
@@ -88,6 +88,9 @@ cluster-up: $(STAMP) tools ## start the local control plane (etcd, apiserver, co
 
 cluster-down: $(STAMP) ## stop the local control plane
 	$(BIN)/python -m e2e.cluster down
+
+scale: $(STAMP) tools ## scale check, not in `make test`: 1,000 kwok nodes, a 1,000-pod JobSet, 1,000 reporting sidecars -> e2e/results/scale-latest.json
+	$(BIN)/python -m e2e.scale $(SCALE_ARGS)
 
 bench: $(STAMP) ## benchmarks with side-by-side ratios -> bench/results/
 	$(BIN)/python -m bench.run $(BENCH_ARGS)

@@ -5,10 +5,10 @@
   and ready: the MutatingWebhookConfiguration carries the operator's CA and the ports answer.
   Tests may stop, restart (new certificate) or reconfigure it; the fixture leaves it running with
   its default flags for the next test and deletes the webhook configuration at the end.
-- ``workload_crds`` (session): the PyTorchJob CRD from the ``github.com/kubeflow/training-operator``
-  Go module (downloaded through the Go module proxy at test time, not committed) and a minimal
-  JobSet CRD (``e2e/testdata/jobset-crd.yaml``: the ``sigs.k8s.io/jobset`` module is refused by the
-  proxy here, 403 "not available"; the test creates the JobSet's pods from its labelled templates).
+- ``workload_crds`` (session): the JobSet and PyTorchJob CRDs from the controllers' sources that
+  ``e2e/build-tools.sh`` built (``<bin_dir>/workloads/``, see `e2e.workloads`); without that build,
+  the PyTorchJob CRD from the ``github.com/kubeflow/training-operator`` Go module (downloaded at
+  test time, not committed) and a minimal JobSet CRD (``e2e/testdata/jobset-crd.yaml``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import REPO_ROOT, LocalCluster, free_port, loopback_env
+from e2e.workloads import JOBSET_CRD, PYTORCHJOB_CRD, apply_crd, crd_file
 
 WEBHOOK_CONFIG = "strata.dev"
 OPERATOR_NAMESPACE = "strata-system"
@@ -292,17 +293,24 @@ def _go_module_dir(module: str) -> Path:
 
 @pytest.fixture(scope="session")
 def workload_crds(k8s_cluster: LocalCluster) -> dict[str, str]:
-    """Install the PyTorchJob (from its Go module) and JobSet (minimal, test-only) CRDs."""
+    """Install the PyTorchJob and JobSet CRDs (built sources first, see the module docstring)."""
     sources: dict[str, str] = {}
-    try:
-        module_dir = _go_module_dir(TRAINING_OPERATOR_MODULE)
-        crd = module_dir / "manifests" / "base" / "crds" / "kubeflow.org_pytorchjobs.yaml"
-        k8s_cluster.kubectl("apply", "--server-side", "-f", str(crd))
-        sources["pytorchjobs.kubeflow.org"] = f"{TRAINING_OPERATOR_MODULE} ({crd.name})"
-    except RuntimeError as exc:
-        pytest.skip(f"PyTorchJob CRD unavailable: {exc}")
-    k8s_cluster.kubectl("apply", "--server-side", "-f", str(JOBSET_TEST_CRD))
-    sources["jobsets.jobset.x-k8s.io"] = f"{JOBSET_TEST_CRD.relative_to(REPO_ROOT)} (minimal)"
+    for name in (PYTORCHJOB_CRD, JOBSET_CRD):
+        built = crd_file(k8s_cluster.bin_dir, name)
+        if built is not None:
+            apply_crd(k8s_cluster, built, name)
+            sources[name] = f"{built} (built sources)"
+    if PYTORCHJOB_CRD not in sources:
+        try:
+            module_dir = _go_module_dir(TRAINING_OPERATOR_MODULE)
+            crd = module_dir / "manifests" / "base" / "crds" / "kubeflow.org_pytorchjobs.yaml"
+            k8s_cluster.kubectl("apply", "--server-side", "-f", str(crd))
+            sources[PYTORCHJOB_CRD] = f"{TRAINING_OPERATOR_MODULE} ({crd.name})"
+        except RuntimeError as exc:
+            pytest.skip(f"PyTorchJob CRD unavailable: {exc}")
+    if JOBSET_CRD not in sources:
+        k8s_cluster.kubectl("apply", "--server-side", "-f", str(JOBSET_TEST_CRD))
+        sources[JOBSET_CRD] = f"{JOBSET_TEST_CRD.relative_to(REPO_ROOT)} (minimal)"
     for name in sources:
         wait_established(k8s_cluster, name)
     return sources
