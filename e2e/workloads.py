@@ -16,9 +16,11 @@ webhooks, registered with a ``url`` clientConfig on 127.0.0.1 (there is no Servi
   ``training-operator-webhook-cert`` in ``MY_POD_NAMESPACE`` and injects its CA into the
   ValidatingWebhookConfiguration ``validator.training-operator.kubeflow.org``; both are created
   here beforehand, the Secret holding a CA and a certificate valid for the service DNS name the
-  rotator checks *and* 127.0.0.1, so the rotator keeps it. Its webhook files go to the fixed
-  ``/tmp/k8s-webhook-server/serving-certs`` (hard-coded in v1.8.1): two sessions running it at
-  once share that directory.
+  rotator checks *and* 127.0.0.1, so the rotator keeps it. Standing in for the kubelet's Secret
+  volume, the harness writes the files where the webhook server reads them
+  (``$TMPDIR/k8s-webhook-server/serving-certs``, TMPDIR set to the controller's work directory)
+  and, when absent, ``tls.crt`` into ``/tmp/k8s-webhook-server/serving-certs``, the directory the
+  rotator polls before it reports ready (hard-coded in v1.8.1; removed again at stop).
 
 Errors: `e2e.cluster.BinariesMissing` when a controller was not built (the message says how to
 build it), ``RuntimeError`` with the controller's log tail when it does not become ready.
@@ -55,6 +57,8 @@ TRAINING_OPERATOR_SECRET = "training-operator-webhook-cert"
 TRAINING_OPERATOR_SERVICE = "training-operator"
 TRAINING_OPERATOR_NAMESPACE = "kubeflow"
 TRAINING_OPERATOR_CA = "training-operator-ca"
+ROTATOR_CERT_DIR = Path("/tmp/k8s-webhook-server/serving-certs")
+"""Where training-operator v1.8.1's rotator waits for ``tls.crt`` (its pkg/cert ``certDir``)."""
 """The rotator's ``CAName`` (pkg/cert of training-operator v1.8.1)."""
 BUILD_HINT = (
     "run `make tools` (or `bash e2e/build-tools.sh --workloads-only` for these two only); the "
@@ -350,6 +354,7 @@ class TrainingOperator(_ControllerProcess):
     """The training-operator with only its PyTorchJob controller and webhook."""
 
     namespace = TRAINING_OPERATOR_NAMESPACE
+    _created_rotator_file = False
 
     def start(self, timeout: float = 120.0) -> float:
         """Install the PyTorchJob CRD, the webhook Secret and configuration, start; seconds."""
@@ -382,7 +387,23 @@ class TrainingOperator(_ControllerProcess):
             f"--webhook-secret-name={TRAINING_OPERATOR_SECRET}",
             "--zap-log-level=info",
         ]
-        env = {"KUBECONFIG": str(self.cluster.kubeconfig), "MY_POD_NAMESPACE": self.namespace}
+        # What the kubelet's Secret volume would do: the webhook server reads the certificate from
+        # $TMPDIR/k8s-webhook-server/serving-certs (controller-runtime), and the rotator waits
+        # until /tmp/k8s-webhook-server/serving-certs/tls.crt exists (hard-coded in v1.8.1).
+        tmpdir = self.workdir / "tmp"
+        serving = tmpdir / "k8s-webhook-server" / "serving-certs"
+        serving.mkdir(parents=True, exist_ok=True)
+        for name, data in pem.items():
+            (serving / name).write_bytes(data)
+        if not (ROTATOR_CERT_DIR / "tls.crt").exists():
+            ROTATOR_CERT_DIR.mkdir(parents=True, exist_ok=True)
+            (ROTATOR_CERT_DIR / "tls.crt").write_bytes(pem["tls.crt"])
+            self._created_rotator_file = True
+        env = {
+            "KUBECONFIG": str(self.cluster.kubeconfig),
+            "MY_POD_NAMESPACE": self.namespace,
+            "TMPDIR": str(tmpdir),
+        }
         self._run(argv, env, timeout)
         return time.monotonic() - begin
 
@@ -401,7 +422,11 @@ class TrainingOperator(_ControllerProcess):
         return {**doc, "metadata": {"name": TRAINING_OPERATOR_VWC}, "webhooks": hooks}
 
     def stop(self) -> None:
+        self._stop_process()
         self.cluster.kubectl(
             "delete", "validatingwebhookconfiguration", TRAINING_OPERATOR_VWC, "--ignore-not-found"
         )
-        self._stop_process()
+        if self._created_rotator_file:
+            with contextlib.suppress(OSError):
+                (ROTATOR_CERT_DIR / "tls.crt").unlink()
+            self._created_rotator_file = False
