@@ -432,11 +432,15 @@ class LocalCluster:
         binaries: Binaries | None = None,
         *,
         die_with_parent: bool = True,
+        extra_args: dict[str, list[str]] | None = None,
     ) -> None:
         """``die_with_parent``: the components get SIGKILL when the thread that started them
         exits (PR_SET_PDEATHSIG); start from a thread that outlives the cluster, or pass False
-        (as ``python -m e2e.cluster up`` does) to let them outlive this process."""
+        (as ``python -m e2e.cluster up`` does) to let them outlive this process.
+        ``extra_args``: more command-line flags per component name (e.g. ``{"kube-controller-
+        manager": ["--kube-api-qps=100"]}``), appended after the harness' own."""
         self.directory = directory.resolve()
+        self.extra_args = extra_args or {}
         self._binaries = binaries
         self.die_with_parent = die_with_parent
         self.pki = pki_mod.Pki(self.directory / "pki")
@@ -599,6 +603,10 @@ class LocalCluster:
                 logs / "kwok.log",
             ),
         }
+        for name, args in self.extra_args.items():
+            if name not in self.components:
+                raise ClusterError(f"extra_args for unknown component {name!r}")
+            self.components[name].argv += args
         write_kubeconfig(self.kubeconfig, self.server, p, "admin")
         for client in ("kube-controller-manager", "kube-scheduler", "kwok"):
             write_kubeconfig(self._component_kubeconfig(client), self.server, p, client)
