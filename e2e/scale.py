@@ -123,7 +123,7 @@ class ProcessSampler:
     pid: int
     period: float = 0.5
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
-    _phase: str = "start"
+    _phase: str = "policy"
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def _read(self) -> tuple[float, float]:
@@ -522,7 +522,7 @@ def _measure(
     )
     sampler.phase("after")
     time.sleep(2)
-    ok = [r["latency_s"] for r in records if r["status"] == 200]
+    ok = [r["latency_s"] for r in records if _accepted(r)]
     statuses: dict[str, int] = {}
     for r in records:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
@@ -537,12 +537,32 @@ def _measure(
         "client_latency_p99_s": _r(percentile(ok, 99)),
         "client_latency_max_s": _r(max(ok) if ok else None),
         "handler": receiver_hist,
+        "per_round": [_round_stats(records, r, args) for r in range(args.rounds)],
     }
     result["status_convergence"] = {
         "final_step": final_step,
         "from_last_round_start_s": _r(status_seen - round_start),
         "last_answer_after_round_start_s": _r(last_answer - round_start),
         "after_last_answer_s": _r(max(0.0, status_seen - last_answer)),
+    }
+
+
+def _accepted(record: dict[str, Any]) -> bool:
+    return isinstance(record["status"], int) and 200 <= record["status"] < 300
+
+
+def _round_stats(records: list[dict[str, Any]], r: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Latency of round ``r``'s accepted reports, and when its last answer came relative to the
+    round's scheduled end (``interval`` s after its first report): > 0 means a backlog."""
+    mine = [x for x in records if x["round"] == r]
+    ok = [x["latency_s"] for x in mine if _accepted(x)]
+    start = min(x["sent"] for x in mine)
+    return {
+        "round": r,
+        "accepted": len(ok),
+        "p50_s": _r(percentile(ok, 50)),
+        "p99_s": _r(percentile(ok, 99)),
+        "last_answer_after_round_start_s": _r(max(x["done"] for x in mine) - start),
     }
 
 

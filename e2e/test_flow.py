@@ -9,11 +9,9 @@ a subprocess (webhook over TLS, report receiver with TokenReview), ``strata side
 directory as the PVC. ``e2e.local_kubelet`` stands in for the kubelet that kwok fakes: it runs the
 containers from the pod spec the apiserver stored (after injection).
 
-JobSet: the ``sigs.k8s.io/jobset`` Go module is refused by the Go module proxy here (403 "not
-available"), so no JobSet controller can be built; the test creates the JobSet's pod from its
-(webhook-labelled) template with the labels the JobSet controller sets. PyTorchJob: the CRD comes
-from ``github.com/kubeflow/training-operator`` at test time; no controller is run, the test creates
-pods from the labelled templates and checks they are injected.
+JobSet and PyTorchJob: no workload controller runs in this test (``e2e/test_workloads.py`` runs the
+real JobSet controller and training-operator); it creates their pods from the (webhook-labelled)
+templates with the labels those controllers set, and checks they are injected.
 """
 
 from __future__ import annotations
