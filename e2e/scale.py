@@ -466,13 +466,21 @@ def _measure(
     )
     total = per_job * args.jobs
 
-    def all_running() -> list[dict[str, Any]] | None:
-        pods = list_pods(api)
-        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
-        print(f"[scale] pods: {len(pods)} created, {len(running)} Running", flush=True)
-        return running if len(running) >= total else None
+    def all_ready() -> bool:
+        # The child Jobs' counters (cheap) rather than listing 1,000 injected pods every time.
+        jobs = cluster.request(
+            f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs"
+            f"?labelSelector=jobset.sigs.k8s.io/jobset-name%3D{JOBSET}"
+        )["items"]
+        active = sum(j.get("status", {}).get("active", 0) for j in jobs)
+        ready = sum(j.get("status", {}).get("ready", 0) for j in jobs)
+        print(f"[scale] pods: {active} active, {ready} ready ({len(jobs)} Jobs)", flush=True)
+        return ready >= total
 
-    pods = wait_until(f"{total} Running pods", all_running, timeout=1800, period=5)
+    wait_until(f"{total} ready pods", all_ready, timeout=1800, period=3)
+    pods = [p for p in list_pods(api) if (p.get("status") or {}).get("phase") == "Running"]
+    if len(pods) < total:
+        raise RuntimeError(f"{total} pods ready per their Jobs but {len(pods)} Running")
     result["pods"] = {"count": total, "jobset_to_all_running_s": round(time.monotonic() - begin, 1)}
     injected = sum("strata.dev/injected" in (p["metadata"].get("annotations") or {}) for p in pods)
     result["pods"]["injected"] = injected
