@@ -7,8 +7,9 @@ add up to ``--pods``, created by the JobSet and Job controllers, injected by the
 scheduled and run by kwok. Then one simulated sidecar per pod reports the way
 ``strata.agent.reporter`` does (``POST <endpoint>/v1/reports``, a :class:`strata.reports.
 SidecarReport` body, a projected-style service-account token bound to that pod for the report
-audience, the operator's CA, a new TLS connection per report), every sidecar once per
-``--interval`` seconds, staggered evenly, for ``--rounds`` rounds; the step grows every round.
+audience, the operator's CA, a new TLS connection per attempt, the reporter's default timeout per
+attempt and retries with backoff), every sidecar once per ``--interval`` seconds, staggered
+evenly, for ``--rounds`` rounds; the step grows every round.
 
 Measured (all printed, and written as JSON to ``--out``, default e2e/results/scale-latest.json):
 
@@ -17,7 +18,8 @@ Measured (all printed, and written as JSON to ``--out``, default e2e/results/sca
   apiserver's round trip to that webhook (``apiserver_admission_webhook_admission_duration_
   seconds``), admission reviews per pod;
 * pods: JobSet created -> all pods Running (seconds);
-* receiver: per-report latency seen by the sidecars (p50/p99/max, exact), accepted/rejected;
+* receiver: latency seen by the sidecars (exact p50/p99: first attempts, and accepted reports end
+  to end), attempts, final statuses, per round;
 * status convergence: from the last round's first report, and from its last answered report,
   until ``status.jobs[<job>].newestCompleteStep.ram`` shows the last round's step;
 * operator process: RSS (MiB, sampled every 0.5 s: at start, peak, end of each phase) and CPU
@@ -37,6 +39,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import random
 import ssl
 import subprocess
 import sys
@@ -55,6 +58,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from e2e.cluster import REPO_ROOT, LocalCluster
 from e2e.operator_fixtures import OPERATOR_NAMESPACE, OperatorProcess, apply_crds, ensure_namespace
 from e2e.workloads import JobSetController, locate_jobset
+from strata.config import ReportConfig
 from strata.reports import REPORT_PATH, SidecarReport, TierState
 from strata_operator.mutation import POLICY_LABEL, TOKEN_VOLUME
 
@@ -319,19 +323,38 @@ def sidecars_for(api: client.ApiClient, pods: list[dict[str, Any]]) -> list[Side
         return list(pool.map(one, pods))
 
 
+# The sidecar reporter's behaviour (strata.agent.reporter / ReportConfig defaults): a timeout per
+# attempt, up to max_attempts on connection errors, timeouts, 408, 429 and 5xx, with a backoff
+# of 0.5 s doubling (times 0.5-1.5 jitter); other answers end the report.
+REPORT_TIMEOUT_S = float(ReportConfig.model_fields["timeout_seconds"].default)
+REPORT_ATTEMPTS = int(ReportConfig.model_fields["max_attempts"].default)
+RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
+
+
 async def report_rounds(
     url: str, ca_file: Path, sidecars: list[Sidecar], rounds: int, interval: float
 ) -> list[dict[str, Any]]:
-    """Every sidecar POSTs one report per round at its staggered offset; returns one record per
-    report: round, step, sent (monotonic s), latency_s, status (HTTP code or error name)."""
+    """Every sidecar POSTs one report per round at its staggered offset, retrying like the
+    reporter; returns one record per report: round, step, sent and done (monotonic s), latency_s
+    (first attempt to final answer), attempt_latencies_s, attempts, status (final HTTP code or
+    error name)."""
     ssl_ctx = ssl.create_default_context(cafile=str(ca_file))
-    # A new connection per report, like the sidecar's urllib reporter.
+    # A new connection per attempt, like the sidecar's urllib reporter.
     connector = aiohttp.TCPConnector(ssl=ssl_ctx, force_close=True, limit=0)
-    timeout = aiohttp.ClientTimeout(total=30)
+    timeout = aiohttp.ClientTimeout(total=REPORT_TIMEOUT_S)
     records: list[dict[str, Any]] = []
     start = time.monotonic() + 1.0
+    rng = random.Random(0)
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as http:
+
+        async def post(body: bytes, headers: dict[str, str]) -> int | str:
+            try:
+                async with http.post(url + REPORT_PATH, data=body, headers=headers) as resp:
+                    await resp.read()
+                    return resp.status
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                return type(exc).__name__
 
         async def send(r: int, i: int, sc: Sidecar) -> None:
             await asyncio.sleep(
@@ -353,12 +376,17 @@ async def report_rounds(
             body = report.model_dump_json().encode()
             headers = {"Content-Type": "application/json", "Authorization": f"Bearer {sc.token}"}
             sent = time.monotonic()
-            try:
-                async with http.post(url + REPORT_PATH, data=body, headers=headers) as resp:
-                    await resp.read()
-                    status: int | str = resp.status
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                status = type(exc).__name__
+            attempt_latencies: list[float] = []
+            delay = 0.5
+            while True:
+                t0 = time.monotonic()
+                status = await post(body, headers)
+                attempt_latencies.append(time.monotonic() - t0)
+                retry = not isinstance(status, int) or status in RETRYABLE
+                if not retry or len(attempt_latencies) >= REPORT_ATTEMPTS:
+                    break
+                await asyncio.sleep(delay * (0.5 + rng.random()))
+                delay = min(delay * 2, 30.0)
             done = time.monotonic()
             records.append(
                 {
@@ -367,6 +395,8 @@ async def report_rounds(
                     "sent": sent,
                     "done": done,
                     "latency_s": done - sent,
+                    "attempt_latencies_s": attempt_latencies,
+                    "attempts": len(attempt_latencies),
                     "status": status,
                 }
             )
@@ -530,19 +560,25 @@ def _measure(
     last = [r for r in records if r["round"] == last_round]
     round_start = min(r["sent"] for r in last)
     last_answer = max(r["done"] for r in last)
-    status_seen = wait_until(
-        f"status of {job_id} at step {final_step}",
-        lambda: (
-            time.monotonic()
-            if (job_status(api, job_id).get("newestCompleteStep") or {}).get("ram") == final_step
-            else None
-        ),
-        timeout=300,
-        period=0.2,
-    )
+    shown: dict[str, Any] = {}
+
+    def status_at_final_step() -> float | None:
+        shown.update(job_status(api, job_id).get("newestCompleteStep") or {})
+        return time.monotonic() if shown.get("ram") == final_step else None
+
+    try:
+        status_seen: float | None = wait_until(
+            f"status of {job_id} at step {final_step}",
+            status_at_final_step,
+            timeout=120,
+            period=0.2,
+        )
+    except TimeoutError:
+        status_seen = None
     sampler.phase("after")
     time.sleep(2)
     ok = [r["latency_s"] for r in records if _accepted(r)]
+    first_attempts = [r["attempt_latencies_s"][0] for r in records]
     statuses: dict[str, int] = {}
     for r in records:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
@@ -553,6 +589,14 @@ def _measure(
         "reports": len(records),
         "offered_rate_per_s": round(len(sidecars) / args.interval, 1),
         "statuses": statuses,
+        "client": {
+            "timeout_per_attempt_s": REPORT_TIMEOUT_S,
+            "max_attempts": REPORT_ATTEMPTS,
+            "attempts": sum(r["attempts"] for r in records),
+            "accepted_reports": len(ok),
+            "first_attempt_p50_s": _r(percentile(first_attempts, 50)),
+            "first_attempt_p99_s": _r(percentile(first_attempts, 99)),
+        },
         "client_latency_p50_s": _r(percentile(ok, 50)),
         "client_latency_p99_s": _r(percentile(ok, 99)),
         "client_latency_max_s": _r(max(ok) if ok else None),
@@ -561,9 +605,13 @@ def _measure(
     }
     result["status_convergence"] = {
         "final_step": final_step,
-        "from_last_round_start_s": _r(status_seen - round_start),
+        "converged_within_120s_after_reports": status_seen is not None,
+        "status_shows": shown,
+        "from_last_round_start_s": None if status_seen is None else _r(status_seen - round_start),
         "last_answer_after_round_start_s": _r(last_answer - round_start),
-        "after_last_answer_s": _r(max(0.0, status_seen - last_answer)),
+        "after_last_answer_s": None
+        if status_seen is None
+        else _r(max(0.0, status_seen - last_answer)),
     }
 
 
@@ -608,11 +656,17 @@ def summary(result: dict[str, Any]) -> str:
         f"webhook handler p50 {ms(w['handler']['p50_s'])} p99 {ms(w['handler']['p99_s'])} "
         f"({w['pod_admission_reviews']} Pod reviews, {w['reviews_per_pod']} per pod); apiserver round "
         f"trip p50 {ms(w['apiserver_round_trip']['p50_s'])} p99 {ms(w['apiserver_round_trip']['p99_s'])}",
-        f"receiver ({rcv['reports']} reports offered at {rcv['offered_rate_per_s']}/s): client p50 "
-        f"{ms(rcv['client_latency_p50_s'])} p99 {ms(rcv['client_latency_p99_s'])} max "
-        f"{ms(rcv['client_latency_max_s'])}; handler p50 {ms(rcv['handler']['p50_s'])} p99 "
-        f"{ms(rcv['handler']['p99_s'])}; statuses {rcv['statuses']}",
-        f"status convergence: {conv['from_last_round_start_s']} s from the last round's start, "
+        f"receiver ({rcv['reports']} reports offered at {rcv['offered_rate_per_s']}/s, "
+        f"{rcv['client']['attempts']} attempts): accepted {rcv['client']['accepted_reports']}, "
+        f"final statuses {rcv['statuses']}; first attempt p50 "
+        f"{ms(rcv['client']['first_attempt_p50_s'])} p99 {ms(rcv['client']['first_attempt_p99_s'])}; "
+        f"accepted report end to end p50 {ms(rcv['client_latency_p50_s'])} p99 "
+        f"{ms(rcv['client_latency_p99_s'])} max {ms(rcv['client_latency_max_s'])}; handler p50 "
+        f"{ms(rcv['handler']['p50_s'])} p99 {ms(rcv['handler']['p99_s'])}",
+        f"per round: {rcv['per_round']}",
+        f"status convergence (step {conv['final_step']}): converged "
+        f"{conv['converged_within_120s_after_reports']}, status shows {conv['status_shows']}; "
+        f"{conv['from_last_round_start_s']} s from the last round's start, "
         f"{conv['after_last_answer_s']} s after its last answered report (last answer "
         f"{conv['last_answer_after_round_start_s']} s into the round)",
     ]
