@@ -533,8 +533,14 @@ def _measure(
         for (name, labels), v in op.metrics().items()
         if name == "strata_admission_requests_total" and dict(labels).get("kind") == "Pod"
     )
+    outcomes = {
+        dict(labels)["outcome"]: int(v)
+        for (name, labels), v in op.metrics().items()
+        if name == "strata_admission_requests_total" and dict(labels).get("kind") == "Pod"
+    }
     result["webhook"] = {
         "pod_admission_reviews": int(reviews),
+        "outcomes": outcomes,
         "reviews_per_pod": round(reviews / total, 2),
         "handler": histogram(op_metrics, "strata_admission_duration_seconds", kind="Pod"),
         "apiserver_round_trip": histogram(
@@ -602,6 +608,14 @@ def _measure(
         "client_latency_max_s": _r(max(ok) if ok else None),
         "handler": receiver_hist,
         "per_round": [_round_stats(records, r, args) for r in range(args.rounds)],
+        # What the operator itself folded/refused (a report whose client timed out may still be
+        # folded later).
+        "server_folded": int(op.metric("strata_reports_received_total")),
+        "server_rejected": {
+            dict(labels)["reason"]: int(v)
+            for (name, labels), v in op.metrics().items()
+            if name == "strata_reports_rejected_total"
+        },
     }
     result["status_convergence"] = {
         "final_step": final_step,
@@ -664,6 +678,8 @@ def summary(result: dict[str, Any]) -> str:
         f"{ms(rcv['client_latency_p99_s'])} max {ms(rcv['client_latency_max_s'])}; handler p50 "
         f"{ms(rcv['handler']['p50_s'])} p99 {ms(rcv['handler']['p99_s'])}",
         f"per round: {rcv['per_round']}",
+        f"operator side: folded {rcv['server_folded']}, rejected {rcv['server_rejected']}; "
+        f"webhook outcomes {w['outcomes']}",
         f"status convergence (step {conv['final_step']}): converged "
         f"{conv['converged_within_120s_after_reports']}, status shows {conv['status_shows']}; "
         f"{conv['from_last_round_start_s']} s from the last round's start, "
