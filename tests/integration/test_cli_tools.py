@@ -430,3 +430,12 @@ def test_list_plan_verify_inspect_need_no_torch(tiers: Tiers) -> None:
         timeout=120,
     )
     assert proc.returncode == 2 and "needs torch" in proc.stderr
+
+
+def test_an_unreadable_tier_exits_4_naming_it(
+    tiers: Tiers, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(capsys, "list", "gs://strata-no-such-bucket/ckpt")
+    assert code == 4 and "strata-no-such-bucket" in err and "does not exist" in err
+    code, _, err = run(capsys, "verify", "gs://strata-no-such-bucket", "--job", JOB)
+    assert code == 4
