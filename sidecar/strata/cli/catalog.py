@@ -46,6 +46,7 @@ def step_row(loc: Location, job: str, listing: StepListing) -> dict[str, Any]:
         "partial_ranks": sorted(listing.partial_ranks),
         "world_size": listing.world_size,
         "incarnation": ",".join(incarnations) or None,
+        "commit_record": getattr(listing, "has_commit", None) if loc.kind != "ram" else None,
         "bytes": sum(m.data_nbytes for m in manifests),
         "created": created,
         "problems": unreadable,

@@ -7,19 +7,21 @@ Statuses of one copy: ``ok``; ``corrupt`` (checksum mismatch, truncated, data mi
 manifest, a malformed manifest); ``unreadable`` (a manifest this Strata cannot read: another
 format version or job, permissions); ``unchecked`` (a RAM copy whose checksums are not computed
 yet, its writer is still running); ``partial`` (data without a manifest: never committed, not a
-bad copy). Any ``corrupt`` or ``unreadable`` copy makes the run fail.
+bad copy). Any ``corrupt`` or ``unreadable`` copy makes the run fail. Each step's global commit record
+(``commit.json`` in the PVC and GCS tiers, issue 12) is checked too (:func:`commit_rows`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from strata.cli.locations import Location, NotFound
 from strata.cli.output import Advance
-from strata.errors import ShardCorrupt, TierError
+from strata.errors import CommitError, ShardCorrupt, TierError
 from strata.tiers.references import verify_following_refs
 
 BAD = frozenset({"corrupt", "unreadable"})
@@ -86,6 +88,54 @@ def check(t: Target) -> dict[str, Any]:
     except TierError as exc:
         return {**row, "status": "unreadable", "detail": str(exc)}
     return {**row, "status": "ok", "detail": ""}
+
+
+def commit_rows(
+    locations: Sequence[Location], jobs: Sequence[str], step: int | None
+) -> list[dict[str, Any]]:
+    """One row per global commit record (``commit.json``, issue 12) in the given steps: ``ok``
+    when it verifies (its seal) and names exactly the shards next to it; ``corrupt`` when torn,
+    of another step, or naming a shard that was replaced; ``unreadable`` when it cannot be read.
+    Empty where this Strata has no commit records."""
+    try:
+        # Issue 12's records; imported by name so that a tree without them type-checks too.
+        records: Any = importlib.import_module("strata.tiers.records")
+    except ImportError:
+        return []
+    rows = []
+    for loc in locations:
+        for job in jobs:
+            for s, listing in sorted(loc.tier.list_steps(job).items()):
+                if (step is not None and s != step) or not getattr(listing, "has_commit", False):
+                    continue
+                row: dict[str, Any] = {
+                    "tier": loc.kind,
+                    "location": loc.spec,
+                    "job": job,
+                    "step": s,
+                    "rank": None,
+                    "bytes": None,
+                    "object": "commit.json",
+                }
+                try:
+                    commit = records.read_commit(loc.tier, job, s)
+                    problems = (
+                        records.verify_commit(loc.tier, commit)
+                        if commit is not None
+                        else ["it vanished while listing"]
+                    )
+                except CommitError as exc:
+                    rows.append({**row, "status": "corrupt", "detail": f"commit record: {exc}"})
+                    continue
+                except TierError as exc:
+                    rows.append({**row, "status": "unreadable", "detail": f"commit record: {exc}"})
+                    continue
+                if problems:
+                    detail = "commit record does not match its shards: " + "; ".join(problems)
+                    rows.append({**row, "status": "corrupt", "detail": detail})
+                else:
+                    rows.append({**row, "status": "ok", "detail": "commit record"})
+    return rows
 
 
 def verify_all(ts: Sequence[Target], advance: Advance) -> list[dict[str, Any]]:

@@ -134,7 +134,18 @@ def _list(args: argparse.Namespace) -> int:
         return EXIT_OK
     output.table(
         None,
-        ("tier", "location", "job", "step", "complete", "ranks", "incarnation", "size", "age"),
+        (
+            "tier",
+            "location",
+            "job",
+            "step",
+            "complete",
+            "ranks",
+            "commit",
+            "incarnation",
+            "size",
+            "age",
+        ),
         [
             (
                 r["tier"],
@@ -144,6 +155,7 @@ def _list(args: argparse.Namespace) -> int:
                 "yes" if r["complete"] else "no",
                 f"{len(r['committed_ranks'])}/{r['world_size'] or '?'}"
                 + (f" (+{len(r['partial_ranks'])} partial)" if r["partial_ranks"] else ""),
+                {True: "yes", False: "no", None: "-"}[r["commit_record"]],
                 r["incarnation"],
                 output.human_bytes(r["bytes"]),
                 output.human_age(output.age_of(r["created"])),
@@ -196,6 +208,7 @@ def _verify(args: argparse.Namespace) -> int:
         total = sum(t.nbytes or 0 for t in targets)
         with output.progress(total, "verifying", not args.no_progress) as advance:
             rows = check.verify_all(targets, advance)
+        rows += check.commit_rows(locs, jobs_in(locs, args.job), args.step)
     summary = check.summary(rows)
     if args.output == "json":
         output.emit_json({"copies": rows, "summary": summary})
@@ -210,7 +223,7 @@ def _verify(args: argparse.Namespace) -> int:
                     r["location"],
                     r["job"],
                     r["step"],
-                    r["rank"],
+                    r["rank"] if r["rank"] is not None else r.get("object"),
                     output.human_bytes(r["bytes"]),
                     r["status"],
                     r["detail"],
