@@ -92,6 +92,13 @@ class PvcTierConfig(_Frozen):
     sub_path: str | None = None
     keep: Annotated[int, Field(ge=1)] = 2
     every: Interval = Interval(steps=100)
+    components: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
+    """Archive tier (issue 18): keep only these top-level components of the state (e.g.
+    ``("model",)``); its steps are archive-only: listed, verified and exported, never used to
+    resume training. None: everything (a tier that restores can use)."""
+    incremental: bool = True
+    """Store a shard whose chunks mostly equal the newest full shard of the same rank here as an
+    incremental copy that references them (issue 18)."""
 
 
 class GcsTierConfig(_Frozen):
@@ -101,6 +108,13 @@ class GcsTierConfig(_Frozen):
     prefix: str = ""
     keep: Annotated[int, Field(ge=1)] = 3
     every: Interval = Interval(steps=1000)
+    components: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
+    """Archive tier (issue 18): keep only these top-level components of the state (e.g.
+    ``("model",)``); its steps are archive-only: listed, verified and exported, never used to
+    resume training. None: everything (a tier that restores can use)."""
+    incremental: bool = True
+    """Store a shard whose chunks mostly equal the newest full shard of the same rank here as an
+    incremental copy that references them (issue 18)."""
     endpoint: str | None = None
     """API endpoint override (fake-gcs-server); default: the real service or STORAGE_EMULATOR_HOST."""
     chunk_size_bytes: Annotated[int, Field(ge=256 * 1024)] = 32 * 1024 * 1024
@@ -158,7 +172,27 @@ class StrataConfig(_Frozen):
     def _check_tiers(self) -> StrataConfig:
         if len(set(self.restore.order)) != len(self.restore.order):
             raise ValueError(f"restore.order has duplicates: {list(self.restore.order)}")
+        archive = self.archive_tiers()
+        first = self.restore.order[0] if self.restore.order else None
+        if first in archive:
+            raise ValueError(
+                f"restore.order starts with {first!r}, an archive tier (it keeps only components "
+                f"{list(archive[first])}, so it cannot resume training); put a tier that keeps "
+                "everything first, or drop its 'components'"
+            )
+        for name, kept in archive.items():
+            if len(set(kept)) != len(kept) or not kept:
+                raise ValueError(f"{name}.components must be distinct names, got {list(kept)}")
         return self
+
+    def archive_tiers(self) -> dict[TierName, tuple[str, ...]]:
+        """Durable tiers that keep only some components (issue 18) -> those components."""
+        out: dict[TierName, tuple[str, ...]] = {}
+        if self.pvc is not None and self.pvc.components is not None:
+            out["pvc"] = self.pvc.components
+        if self.gcs is not None and self.gcs.components is not None:
+            out["gcs"] = self.gcs.components
+        return out
 
     @property
     def socket(self) -> Path:
@@ -172,9 +206,10 @@ class StrataConfig(_Frozen):
         return self.writer_id or self.pod_name or socket.gethostname()
 
     def tiers_in_restore_order(self) -> list[TierName]:
-        """Configured tiers in restore order (nearest first)."""
+        """Configured tiers in restore order (nearest first); archive tiers never resume."""
         present = {"ram": True, "pvc": self.pvc is not None, "gcs": self.gcs is not None}
-        return [t for t in self.restore.order if present[t]]
+        archive = self.archive_tiers()
+        return [t for t in self.restore.order if present[t] and t not in archive]
 
     def to_env(self) -> dict[str, str]:
         """The env vars the webhook injects (only ``STRATA_CONFIG``; the rest is downward API)."""

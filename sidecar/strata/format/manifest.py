@@ -106,6 +106,9 @@ class Manifest(BaseModel):
     and size, no tensor version-counter bump). A HINT only, confirmed by CRC32C before any
     bytes are referenced instead of copied (issue 18); None: no hint."""
     refs: ChunkRefs | None = None
+    components: list[str] | None = None
+    """Archive-only shard (issue 18): it holds only these top-level components of the state
+    (:mod:`strata.format.projection`); it is never used to resume training. None: everything."""
     """Set only on an incremental copy in a durable tier (never in RAM); see :class:`ChunkRefs`."""
 
     def check_identity(self, job_id: str, step: int, rank: int, world_size: int | None) -> None:

@@ -91,6 +91,7 @@ def stage_shard(
             else:
                 m = tier.get_manifest(job_id, step, rank)
                 _check_world(m, world_size, tier)
+                _check_resumable(m, tier)
                 n = logical_nbytes(m)
                 path = slot_path(n) if callable(slot_path) else Path(slot_path)
                 if m.refs is not None:  # an incremental copy: its base's chunks too (issue 18)
@@ -119,6 +120,14 @@ def stage_shard(
         skipped,
         quarantined,
     )
+
+
+def _check_resumable(m: Manifest, tier: Tier) -> None:
+    if m.components is not None:
+        raise ShardUnavailable(
+            f"{tier.name}: step {m.step} rank {m.rank} is archive-only (it holds only "
+            f"{m.components}); it is never used to resume training (use `strata export`)"
+        )
 
 
 def _check_world(m: Manifest, world_size: int | None, tier: Tier) -> None:

@@ -54,6 +54,29 @@ def write_incremental(src: Path, stored: Manifest, dst: Path) -> int:
     return written
 
 
+def write_projected(
+    src: Path, full: Manifest, projected: Manifest, pieces: list[tuple[int, int, int]], dst: Path
+) -> Manifest:
+    """Write the archive-only data object of ``projected`` (:func:`strata.format.projection.
+    project` of ``full``) into ``dst`` from ``src`` (the full data object) and return
+    ``projected`` with its checksums. ``src`` is first checked against ``full``'s CRC32Cs
+    (:class:`ShardCorrupt`), so no corrupt byte is sealed into the archive."""
+    got, whole = crc.file_chunk_crcs(src, full.data_nbytes, full.chunk_size)
+    if got != (full.chunk_crc32c or []) or whole != full.crc32c:
+        raise ShardCorrupt(f"{src}: CRC32C mismatch against its manifest; quarantine it")
+    sfd = os.open(src, os.O_RDONLY)
+    try:
+        with open(dst, "wb") as out:
+            for src_off, dst_off, n in pieces:
+                out.seek(dst_off)
+                out.write(_pread_exact(sfd, n, src_off, str(src)))
+            out.truncate(projected.data_nbytes)
+    finally:
+        os.close(sfd)
+    crcs, whole = crc.file_chunk_crcs(dst, projected.data_nbytes, projected.chunk_size)
+    return projected.model_copy(update={"chunk_crc32c": crcs, "crc32c": whole})
+
+
 def _local_data(tier: Tier, job_id: str, step: int, rank: int, tmp: Path) -> Path:
     """A local file of the committed data object (where it lies, or fetched and verified)."""
     path = tier.data_path(job_id, step, rank)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from strata.config import TierName
@@ -21,10 +21,11 @@ from strata.errors import ShardCorrupt, ShardUnavailable, TierError
 from strata.format.incremental import incremental_manifest, plan_refs, worth_it
 from strata.format.incremental import same_logical_shard as _same
 from strata.format.manifest import Manifest
+from strata.format.projection import project
 from strata.sidecar.promotion.events import EventKind, PromotionEvent
 from strata.tiers.base import Tier
 from strata.tiers.ram import RamTier
-from strata.tiers.references import write_incremental
+from strata.tiers.references import write_incremental, write_projected
 from strata.tiers.slots import SlotLease
 
 log = logging.getLogger("strata.promotion")
@@ -38,6 +39,8 @@ class ShardCopier:
     ``emit``: receives every :class:`PromotionEvent`. ``clock``: monotonic seconds.
     ``incremental``: store a shard whose chunks mostly equal the newest full shard of the same
     rank in the destination as an incremental copy (:mod:`strata.format.incremental`).
+    ``components``: tier -> the top-level components an archive tier keeps (the copy there is
+    archive-only, :mod:`strata.format.projection`).
     """
 
     def __init__(
@@ -52,6 +55,8 @@ class ShardCopier:
         max_attempts: int,
         backoff_seconds: float,
         incremental: bool = True,
+        incremental_tiers: Mapping[TierName, bool] | None = None,
+        components: Mapping[TierName, Sequence[str]] | None = None,
     ) -> None:
         self.job_id = job_id
         self.ram = ram
@@ -62,6 +67,10 @@ class ShardCopier:
         self.max_attempts = max_attempts
         self.backoff_seconds = backoff_seconds
         self.incremental = incremental
+        self.incremental_tiers = dict(incremental_tiers or {})
+        """Per tier: False turns incremental copies off there (``incremental`` is for all)."""
+        self.components = {k: tuple(v) for k, v in (components or {}).items()}
+        """Archive tiers: the top-level components each keeps (issue 18)."""
         self.bases: dict[tuple[TierName, int], int] = {}
         """(tier, rank) -> the newest full shard this copier committed there (the base that
         later incremental copies reference, issue 18)."""
@@ -120,6 +129,8 @@ class ShardCopier:
             return False
         except ShardUnavailable:
             return False
+        if current.components is not None:  # an archive-only copy of this very save
+            return current.created == manifest.created and current.writer_id == manifest.writer_id
         return _same(current, manifest)
 
     def _holds_full(self, tier: Tier, step: int, rank: int, manifest: Manifest) -> bool:
@@ -128,14 +139,28 @@ class ShardCopier:
             current = tier.get_manifest(self.job_id, step, rank)
         except ShardUnavailable:
             return self.holds(tier, step, rank, manifest)  # quarantines a corrupt one
-        return current.refs is None and _same(current, manifest)
+        return current.refs is None and current.components is None and _same(current, manifest)
 
     def _put(
         self, name: TierName, dest: Tier, step: int, rank: int, path: Path, m: Manifest
     ) -> int:
         """Commit the full shard at ``path`` into ``dest``: incrementally when a base there
-        shares enough of it, else in full (it then becomes the base)."""
-        base = self.bases.get((name, rank)) if self.incremental else None
+        shares enough of it, else in full (it then becomes the base). An archive tier gets the
+        components it keeps (and that copy may be incremental against its own base)."""
+        keep = self.components.get(name)
+        if keep:
+            projected, pieces = project(m, keep)
+            with tempfile.TemporaryDirectory(prefix="strata-archive-") as tmp:
+                data = Path(tmp) / "data"
+                sealed = write_projected(path, m, projected, pieces, data)
+                return self._put_full_or_incremental(name, dest, step, rank, data, sealed)
+        return self._put_full_or_incremental(name, dest, step, rank, path, m)
+
+    def _put_full_or_incremental(
+        self, name: TierName, dest: Tier, step: int, rank: int, path: Path, m: Manifest
+    ) -> int:
+        on = self.incremental and self.incremental_tiers.get(name, True)
+        base = self.bases.get((name, rank)) if on else None
         if base is not None and base < step:
             try:
                 base_m = dest.get_manifest(self.job_id, base, rank)

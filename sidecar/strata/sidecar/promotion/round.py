@@ -138,6 +138,11 @@ class PromotionEngine:
             lease_timeout=lease_timeout,
             max_attempts=max_attempts,
             backoff_seconds=backoff_seconds,
+            incremental_tiers={
+                name: bool(getattr(getattr(config, name), "incremental", True))
+                for name in self.durable
+            },
+            components=config.archive_tiers(),
         )
         self.retention = Retention(
             self.job_id, grace_seconds=config.gc_grace_seconds, wrote=self.wrote, emit=self._emit
