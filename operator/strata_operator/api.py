@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -63,6 +63,11 @@ from strata_operator.validation import (
     parse_duration,
     quantity_bytes,
 )
+
+ComponentName = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+]
+"""A top-level key of the saved state dict (e.g. ``model``, ``ema``)."""
 
 GROUP: Final = "strata.dev"
 VERSION: Final = "v1alpha1"
@@ -149,6 +154,19 @@ RULE_ORDER_CONFIGURED = Rule(
 RULE_ORDER_UNIQUE = Rule(
     "self.all(t, self.exists_one(u, u == t))",
     "restore.order must not repeat a tier",
+)
+RULE_ARCHIVE_NOT_FIRST = Rule(
+    "!has(self.restore) || !has(self.restore.order) || size(self.restore.order) == 0 || "
+    "!((self.restore.order[0] == 'pvc' && has(self.tiers.pvc) && has(self.tiers.pvc.components))"
+    " || (self.restore.order[0] == 'gcs' && has(self.tiers.gcs) && "
+    "has(self.tiers.gcs.components)))",
+    "restore.order must not start with an archive tier (one with 'components': it keeps only "
+    "part of the state and never resumes training); put a tier that keeps everything first",
+    ".restore.order",
+)
+RULE_COMPONENTS_UNIQUE = Rule(
+    "self.all(c, self.exists_one(d, d == c))",
+    "components must not repeat a name",
 )
 RULE_REQUEST_NOT_ABOVE_LIMIT = Rule(REQUEST_NOT_ABOVE_LIMIT_RULE, REQUEST_ABOVE_LIMIT_MESSAGE)
 RULE_EXTENDED_NEEDS_LIMIT = Rule(EXTENDED_NEEDS_LIMIT_RULE, EXTENDED_NEEDS_LIMIT_MESSAGE)
@@ -238,6 +256,25 @@ class PvcTierSpec(_Model):
     every: EverySpec = EverySpec(steps=100)
     keep: Annotated[int, Field(strict=True, ge=1, le=1000)] = 2
     """Complete steps kept on the PVC; the newest complete step is never deleted first."""
+    components: (
+        Annotated[
+            list[ComponentName],
+            Field(min_length=1, max_length=32, json_schema_extra=_rules(RULE_COMPONENTS_UNIQUE)),
+        ]
+        | None
+    ) = None
+    """Archive tier: keep only these top-level keys of the saved state (e.g. [model]: weights,
+    not optimizer state), at this tier's own every/keep. Its steps are archive-only: listed,
+    verified and exported (strata export), never used to resume training. Unset: everything."""
+    incremental: Annotated[bool, Field(strict=True)] = True
+    """Store a step whose bytes mostly equal an earlier full step here (e.g. a frozen base
+    under LoRA) as an incremental copy that references them instead of writing them again."""
+
+    @model_validator(mode="after")
+    def _components_unique(self) -> Self:
+        if self.components is not None and len(set(self.components)) != len(self.components):
+            raise ValueError(RULE_COMPONENTS_UNIQUE.message)
+        return self
 
 
 class SecretKeyRefSpec(_Model):
@@ -278,6 +315,25 @@ class GcsTierSpec(_Model):
     keep: Annotated[int, Field(strict=True, ge=1, le=1000)] = 3
     """Complete steps kept in the bucket."""
     credentials: GcsCredentialsSpec = GcsCredentialsSpec()
+    components: (
+        Annotated[
+            list[ComponentName],
+            Field(min_length=1, max_length=32, json_schema_extra=_rules(RULE_COMPONENTS_UNIQUE)),
+        ]
+        | None
+    ) = None
+    """Archive tier: keep only these top-level keys of the saved state (e.g. [model]: weights,
+    not optimizer state), at this tier's own every/keep. Its steps are archive-only: listed,
+    verified and exported (strata export), never used to resume training. Unset: everything."""
+    incremental: Annotated[bool, Field(strict=True)] = True
+    """Store a step whose bytes mostly equal an earlier full step here (e.g. a frozen base
+    under LoRA) as an incremental copy that references them instead of writing them again."""
+
+    @model_validator(mode="after")
+    def _components_unique(self) -> Self:
+        if self.components is not None and len(set(self.components)) != len(self.components):
+            raise ValueError(RULE_COMPONENTS_UNIQUE.message)
+        return self
 
 
 class TiersSpec(_Model):
@@ -386,7 +442,9 @@ class CheckpointPolicySpec(_Model):
     """Desired checkpointing for the workloads that name this policy (label or annotation
     strata.dev/policy)."""
 
-    model_config = ConfigDict(json_schema_extra=_rules(RULE_ORDER_CONFIGURED))
+    model_config = ConfigDict(
+        json_schema_extra=_rules(RULE_ORDER_CONFIGURED, RULE_ARCHIVE_NOT_FIRST)
+    )
 
     tiers: TiersSpec
     restore: RestoreSpec = RestoreSpec()
@@ -401,6 +459,12 @@ class CheckpointPolicySpec(_Model):
         }
         if self.restore.order is not None and not all(present[t] for t in self.restore.order):
             raise ValueError(RULE_ORDER_CONFIGURED.message)
+        archive = {
+            "pvc": self.tiers.pvc is not None and self.tiers.pvc.components is not None,
+            "gcs": self.tiers.gcs is not None and self.tiers.gcs.components is not None,
+        }
+        if self.restore.order and archive.get(self.restore.order[0], False):
+            raise ValueError(RULE_ARCHIVE_NOT_FIRST.message)
         return self
 
     def configured_tiers(self) -> list[TierName]:
@@ -551,6 +615,8 @@ def to_sidecar_config(
             sub_path=tiers.pvc.sub_path,
             keep=tiers.pvc.keep,
             every=_interval(tiers.pvc.every),
+            components=tuple(tiers.pvc.components) if tiers.pvc.components else None,
+            incremental=tiers.pvc.incremental,
         )
     gcs = None
     if tiers.gcs is not None:
@@ -559,6 +625,8 @@ def to_sidecar_config(
             prefix=tiers.gcs.prefix,
             keep=tiers.gcs.keep,
             every=_interval(tiers.gcs.every),
+            components=tuple(tiers.gcs.components) if tiers.gcs.components else None,
+            incremental=tiers.gcs.incremental,
         )
     grace = termination_grace_seconds
     if grace is None:
