@@ -36,3 +36,9 @@ def test_the_client_refuses_an_archive_tier_first_like_the_crd() -> None:
             }
         )
     assert api.RULE_ARCHIVE_NOT_FIRST.message.startswith("restore.order must not start")
+
+
+def test_projection_uses_the_codecs_tensor_tag() -> None:
+    from strata.format import codec, projection
+
+    assert projection.TENSOR_TAG == codec.TENSOR_TAG

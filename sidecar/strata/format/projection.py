@@ -18,8 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from strata.errors import FormatError
-from strata.format.codec import TENSOR_TAG
 from strata.format.manifest import ALIGN, Manifest, StorageEntry
+
+TENSOR_TAG = "__tensor__"
+"""The codec's tensor tag (:data:`strata.format.codec.TENSOR_TAG`; not imported: the codec
+needs torch and the sidecar runs without it)."""
 
 Piece = tuple[int, int, int]
 """(offset in the full data object, offset in the projected one, bytes)."""
