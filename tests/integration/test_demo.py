@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_demo_recovers_from_every_tier_bit_identically(tmp_path: Path) -> None:
-    ram = Path("/dev/shm") / f"strata-test-demo-{tmp_path.name}"
+    # Unique across concurrent pytest sessions (tmp_path's basename is not).
+    ram = Path("/dev/shm") / f"strata-test-demo-{uuid.uuid4().hex[:12]}"
     try:
         proc = subprocess.run(
             [
