@@ -105,6 +105,9 @@ class InventoryReply(Message):
     committed: dict[str, dict[int, list[int]]]
     partial: dict[str, dict[int, list[int]]] = {}
     notes: list[str] = []
+    incarnations: dict[str, dict[int, str]] = {}
+    records: list[dict[str, Any]] = []
+    unusable: dict[str, list[int]] = {}
 
     @classmethod
     def of(cls, inventory: RankInventory) -> InventoryReply:

@@ -17,6 +17,7 @@ import strata
 from strata.client import Checkpointer, RestoreError
 from strata.config import StrataConfig
 from strata.tiers.gcs import GcsTier
+from strata.tiers.records import commit_if_complete
 from strata.tiers.posix import PosixTier
 from strata.tiers.slots import SLOT_ALIGN, slots_dir
 from tests.fixtures.gcs import GcsEmulator
@@ -81,6 +82,8 @@ def promote(c: Checkpointer, step: int, tier: PosixTier | GcsTier) -> None:
     with SlotLease(c.ram, JOB, step, 0) as lease:
         assert lease.manifest is not None and lease.manifest.verified
         tier.put_shard(JOB, step, 0, lease.path, lease.manifest)
+    # ... and, every rank's shard being there, the step's global commit record (issue 12).
+    assert commit_if_complete(tier, JOB, step, "test") is not None
 
 
 def test_save_restore_in_place_keeps_identity(shm_dir: Path) -> None:

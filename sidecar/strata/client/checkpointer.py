@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
@@ -58,6 +59,7 @@ from strata.client.saver import Saver
 from strata.config import StrataConfig
 from strata.errors import ConfigError, RestoreError, ShardCorrupt, StageError, TierError
 from strata.format import codec
+from strata.format.incarnation import Incarnation, new_incarnation_id
 from strata.protocol import ClientEvent, RestoreEvent
 from strata.restore import (
     RankInventory,
@@ -70,6 +72,7 @@ from strata.restore import (
 from strata.tiers.base import Tier
 from strata.tiers.configured import durable_tiers, in_restore_order
 from strata.tiers.ram import RamTier
+from strata.tiers.records import write_incarnation
 from strata.tiers.slots import (
     LocalSlotProvider,
     ReuseFirstSlotProvider,
@@ -284,6 +287,8 @@ class Checkpointer:
             register_limit_bytes=register_limit_bytes,
         )
         self._tiers: list[Tier] | None = None
+        self.incarnation = ""
+        """The incarnation opened by the last :meth:`restore` (``""`` before any)."""
         self._tier_notes: list[str] = []
 
     # -- tiers ----------------------------------------------------------------------------------
@@ -402,6 +407,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         self.saver.forget_unchanged()  # a restore writes tensors without bumping their versions
+        now = datetime.now(UTC)
+        proposal = {"id": new_incarnation_id(now), "created": now.isoformat()}
+        chosen: dict[str, str] | None = None
         excluded: list[int] = []
         clobbered = False
         self._restore_tiers()
@@ -414,7 +422,10 @@ class Checkpointer:
             )
         for _ in range(64):
             inv = self.stager.inventory(self.job_id, self.rank, self.world_size)
-            invs = [RankInventory.from_dict(d) for d in self._gather(inv.to_dict())]
+            gathered = self._gather({"inventory": inv.to_dict(), "incarnation": proposal})
+            invs = [RankInventory.from_dict(g["inventory"]) for g in gathered]
+            # Every rank takes rank 0's proposal: one incarnation id for the whole world.
+            chosen = chosen or gathered[0]["incarnation"]
             for note in skipped_partial_steps(invs) + [n for i in invs for n in i.notes]:
                 if note not in notes:
                     notes.append(note)
@@ -466,6 +477,8 @@ class Checkpointer:
                     load_err or "on another rank",
                 )
                 continue
+            assert chosen is not None
+            self._open_incarnation(chosen, plan.incarnation or None, plan.step, notes)
             result = RestoreResult(
                 step=plan.step,
                 tiers={r: t for r, t in enumerate(outcomes)}
@@ -508,6 +521,7 @@ class Checkpointer:
                 self.job_id,
                 searched,
             )
+            self._open_incarnation(chosen or proposal, None, None, notes)
             fresh = RestoreResult(None, {}, 0, time.perf_counter() - t0, notes, state)
             self._report_restore(fresh, "fresh-start")
             self._prepare_quietly(state)
@@ -526,6 +540,42 @@ class Checkpointer:
             self.prepare(state, background=True)
         except Exception as exc:  # an unsupported value: the first save will say so
             log.debug("strata: slots not prepared after restore: %s", exc)
+
+    def _open_incarnation(
+        self, chosen: dict[str, str], parent: str | None, base_step: int | None, notes: list[str]
+    ) -> None:
+        """Open the incarnation agreed in the restore all-gather: from now on every manifest
+        carries its id. Its record (identical bytes on every rank) goes into this node's RAM
+        tier (every rank; the sidecar copies it next to the steps it commits), and rank 0 also
+        writes it to the shared tiers now, so the lineage survives the loss of every node."""
+        rec = Incarnation(
+            job_id=self.job_id,
+            id=chosen["id"],
+            parent=parent,
+            base_step=base_step,
+            world_size=self.world_size,
+            created=datetime.fromisoformat(chosen["created"]),
+        )
+        targets: list[Tier] = [self.ram]
+        if self.rank == 0:
+            targets += [t for t in self._restore_tiers() if t.name != "ram"]
+        for tier in targets:
+            try:
+                write_incarnation(tier, rec)
+            except Exception as exc:  # the lineage is also carried by the sidecars' commits
+                note = f"{tier.name}: incarnation record {rec.id} not written: {exc}"
+                log.warning("strata restore: %s", note)
+                notes.append(note)
+        self.incarnation = rec.id
+        self.saver.incarnation = rec.id
+        log.info(
+            "strata: job %s rank %d opened incarnation %s (parent %s, resumed from step %s)",
+            self.job_id,
+            self.rank,
+            rec.id,
+            parent,
+            base_step,
+        )
 
     def _report(self, event: ClientEvent) -> None:
         """Hand a save/restore event to the sidecar (off the training thread; best effort)."""

@@ -98,6 +98,9 @@ class Saver:
         self.rank = rank
         self.world_size = world_size
         self.writer_id = writer_id
+        self.incarnation = ""
+        """Stamped into every manifest: the incarnation :meth:`Checkpointer.restore` opened
+        (``""`` before any restore: shards of no incarnation)."""
         self.every = every
         self._bg = background
         self.report = report
@@ -237,7 +240,7 @@ class Saver:
             world_size=self.world_size,
             writer_id=self.writer_id,
             chunk_size=self.chunk_size,
-        )
+        ).model_copy(update={"incarnation": self.incarnation})
         self.ram.commit_slot(self.job_id, step, self.rank, slot, manifest)
         snap = Snapshot(list(enc.live), versions, list(enc.sources))
         fut = self._bg.submit(self._checksum, step, manifest.created.isoformat(), snap)

@@ -45,7 +45,8 @@ class Incarnation(BaseModel):
     job_id: str
     id: str
     parent: str | None = None
-    """Incarnation of the step this one resumed from; None for a fresh start."""
+    """Incarnation of the step this one resumed from; None for a fresh start, or (with a
+    ``base_step``) for a step written outside any incarnation (``""``)."""
     base_step: Annotated[int, Field(ge=0)] | None = None
     """The step it resumed from; None for a fresh start."""
     world_size: Annotated[int, Field(ge=1)]
@@ -93,10 +94,11 @@ class Lineage:
         while inc is not None and inc not in self.limits:
             self.limits[inc] = limit
             rec = self.records.get(inc)
-            if rec is None or rec.parent is None or rec.base_step is None:
+            if rec is None or rec.base_step is None:
                 break
             limit = rec.base_step if limit is None else min(limit, rec.base_step)
-            inc = rec.parent
+            # A parent of None with a base step: it resumed from shards of no incarnation ("").
+            inc = rec.parent if rec.parent is not None else ""
 
     def live(self, incarnation: str, step: int) -> bool:
         """Step ``step`` written by ``incarnation`` may be restored / promoted / kept as newest."""

@@ -5,11 +5,14 @@ Talks to tiers only through the :class:`strata.tiers.base.Tier` contract.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 from strata.errors import TierError
-from strata.restore.plan import RankInventory
+from strata.restore.plan import LOCAL_TIERS, RankInventory
 from strata.tiers.base import StepListing, Tier
+from strata.tiers.records import committed_steps, read_incarnations, read_manifest_raw
 
 
 def collect_inventory(
@@ -20,23 +23,74 @@ def collect_inventory(
     A tier that cannot be listed is noted and left out (restore falls back to the others).
     Steps whose manifests record another world size, or none readable (unknown format version,
     malformed), are noted and left out: they cannot be restored by this job as it runs.
+
+    Incarnations (issue 12): a RAM step is listed with the incarnation of this rank's shard; a
+    shared tier's (PVC, GCS) step with a global commit record for every rank when the record
+    verifies and this rank's shard there is the one it committed (else the step is unusable for
+    this rank), and without a record for this rank alone, with its shard's incarnation (the
+    plan only combines shards of one live incarnation). Every incarnation record
+    found goes into the inventory for the plan's lineage.
     """
     committed: dict[str, dict[int, frozenset[int]]] = {}
     partial: dict[str, dict[int, frozenset[int]]] = {}
+    incarnations: dict[str, dict[int, str]] = {}
+    unusable: dict[str, frozenset[int]] = {}
+    records: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
     for tier in tiers:
         try:
             listing = tier.list_steps(job_id)
+            for rec in read_incarnations(tier, job_id):
+                records.setdefault(rec.id, rec.model_dump(mode="json"))
         except (TierError, OSError) as exc:
             notes.append(f"{tier.name}: not searched: {exc}")
             continue
         c: dict[int, frozenset[int]] = {}
         p: dict[int, frozenset[int]] = {}
+        inc: dict[int, str] = {}
+        bad: set[int] = set()
+        local = tier.name in LOCAL_TIERS
+        commits = (
+            {}
+            if local
+            else committed_steps(tier, job_id, [s for s, e in listing.items() if e.has_commit])
+        )
         for step, entry in listing.items():
             if entry.partial_ranks:
                 p[step] = entry.partial_ranks
             if not entry.committed_ranks:
                 continue
+            if not local and step in commits:
+                why = _global_commit(tier, job_id, step, rank, world_size, commits[step])
+                if isinstance(why, str):
+                    notes.append(f"{tier.name}: step {step} skipped: {why}")
+                    bad.add(step)
+                else:
+                    c[step] = frozenset(range(world_size))
+                    inc[step] = why[0]
+                continue
+            if not local:
+                # No commit record: this rank's own shard may still join shards of the same
+                # incarnation from other tiers (the plan checks that every rank's is one).
+                if rank not in entry.committed_ranks:
+                    continue
+                try:
+                    m = tier.get_manifest(job_id, step, rank)
+                except TierError as exc:
+                    notes.append(f"{tier.name}: step {step} skipped: {exc}")
+                    continue
+                if m.world_size != world_size:
+                    notes.append(
+                        f"{tier.name}: step {step} was written with world size {m.world_size}, "
+                        f"this job runs with {world_size} (resharding is not supported); skipped"
+                    )
+                    continue
+                c[step] = frozenset({rank})
+                inc[step] = m.incarnation
+                continue
+            if rank in entry.committed_ranks:
+                with contextlib.suppress(TierError):
+                    inc[step] = tier.get_manifest(job_id, step, rank).incarnation
             if entry.world_size is None:
                 notes.append(
                     f"{tier.name}: step {step} skipped: {_why_unreadable(tier, job_id, step, entry)}"
@@ -50,7 +104,44 @@ def collect_inventory(
                 c[step] = entry.committed_ranks
         committed[tier.name] = c
         partial[tier.name] = p
-    return RankInventory(rank, world_size, committed, partial, tuple(notes))
+        incarnations[tier.name] = inc
+        if bad:
+            unusable[tier.name] = frozenset(bad)
+    return RankInventory(
+        rank,
+        world_size,
+        committed,
+        partial,
+        tuple(notes),
+        incarnations=incarnations,
+        unusable=unusable,
+        records=tuple(records.values()),
+    )
+
+
+def _global_commit(
+    tier: Tier, job_id: str, step: int, rank: int, world_size: int, commit: Any
+) -> tuple[str] | str:
+    """(incarnation,) when ``step`` is complete in the shared ``tier`` for this job and this
+    rank's shard is the committed one; else why not."""
+    if commit is None:
+        return "no global commit record (not every rank's shard of one incarnation is there)"
+    if commit.world_size != world_size:
+        return (
+            f"it was written with world size {commit.world_size}, this job runs with "
+            f"{world_size} (resharding is not supported)"
+        )
+    try:
+        m, raw = read_manifest_raw(tier, job_id, step, rank)
+    except TierError as exc:
+        return f"rank {rank}: {exc}"
+    if not commit.matches(m, raw):
+        return (
+            f"rank {rank}'s shard (incarnation {m.incarnation!r}, world size {m.world_size}, "
+            f"crc32c {m.crc32c}) is not the one its commit record names (incarnation "
+            f"{commit.incarnation!r}, world size {commit.world_size}); it was replaced"
+        )
+    return (commit.incarnation,)
 
 
 def _why_unreadable(tier: Tier, job_id: str, step: int, entry: StepListing) -> str:

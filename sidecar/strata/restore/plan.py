@@ -7,8 +7,10 @@ docs/architecture.md "Restore (nearest surviving tier)":
    size are noted and left out;
 2. with torch.distributed the ranks all-gather their inventories so that :func:`plan_restore`,
    a pure function of the gathered inventories, picks the *same* step on every rank: the newest
-   step for which EVERY rank has a committed shard in some tier it can reach. Ranks never mix
-   steps (C-07). A *local* tier (RAM: a node's tmpfs) only serves the rank that reported it; a
+   step for which EVERY rank has a committed shard in some tier it can reach, all of ONE live
+   incarnation (issue 12: a shared tier's step counts only with its global commit record; the
+   lineage of the gathered incarnation records rules out superseded steps). Ranks never mix
+   steps (C-07) nor incarnations. A *local* tier (RAM: a node's tmpfs) only serves the rank that reported it; a
    shared tier (PVC, GCS) serves every rank;
 3. each rank stages its shard (:func:`stage_shard`): RAM hit verified in place, else copied from
    the next tier and verified; a mismatch quarantines that copy and falls to the next tier
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata.config import TIER_ORDER
+from strata.format.incarnation import Incarnation, Lineage
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,15 @@ class RankInventory:
     committed: Holdings
     partial: Holdings = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    incarnations: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
+    """tier -> step -> incarnation of the shards (RAM: this rank's; shared tiers: the step's
+    commit record); a step absent here belongs to no incarnation (``""``)."""
+    unusable: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    """tier -> steps whose commit record this rank cannot use: its own shard there is not the
+    one committed (replaced, e.g. by another incarnation's replay)."""
+    records: tuple[Mapping[str, Any], ...] = ()
+    """Incarnation records this rank found (:class:`strata.format.incarnation.Incarnation`
+    as JSON-mode dicts); the plan follows the lineage of their union."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain builtins (for all_gather_object and the sidecar socket)."""
@@ -59,6 +71,9 @@ class RankInventory:
             "committed": plain(self.committed),
             "partial": plain(self.partial),
             "notes": list(self.notes),
+            "incarnations": {t: dict(steps) for t, steps in self.incarnations.items()},
+            "records": [dict(r) for r in self.records],
+            "unusable": {t: sorted(s) for t, s in self.unusable.items()},
         }
 
     @classmethod
@@ -77,6 +92,14 @@ class RankInventory:
             committed=holdings(d.get("committed", {})),
             partial=holdings(d.get("partial", {})),
             notes=tuple(d.get("notes", ())),
+            incarnations={
+                t: {int(s): str(i) for s, i in steps.items()}
+                for t, steps in d.get("incarnations", {}).items()
+            },
+            records=tuple(d.get("records", ())),
+            unusable={
+                t: frozenset(int(s) for s in steps) for t, steps in d.get("unusable", {}).items()
+            },
         )
 
 
@@ -86,6 +109,8 @@ class RestorePlan:
 
     step: int
     sources: Mapping[int, tuple[str, ...]]
+    incarnation: str = ""
+    """The incarnation whose shards every rank loads (never a mix)."""
 
 
 def shard_sources(
@@ -94,24 +119,74 @@ def shard_sources(
     step: int,
     order: Sequence[str] = TIER_ORDER,
     local_tiers: frozenset[str] = LOCAL_TIERS,
+    incarnation: str | None = None,
 ) -> dict[int, tuple[str, ...]]:
-    """Per rank, the tiers (in ``order``) from which that rank can read its shard of ``step``."""
+    """Per rank, the tiers (in ``order``) from which that rank can read its shard of ``step``
+    (``incarnation``: only shards of that incarnation; None: any)."""
     by_rank = {inv.rank: inv for inv in inventories}
+
+    def holds(inv: RankInventory, t: str, r: int) -> bool:
+        if r not in inv.committed.get(t, {}).get(step, frozenset()):
+            return False
+        return incarnation is None or _inc(inv, t, step) == incarnation
+
     out: dict[int, tuple[str, ...]] = {}
     for r in range(world_size):
         tiers = []
         for t in order:
+            own = by_rank.get(r)
             if t in local_tiers:
-                own = by_rank.get(r)
-                ok = own is not None and r in own.committed.get(t, {}).get(step, frozenset())
+                ok = own is not None and holds(own, t, r)
+            elif own is not None and step in own.unusable.get(t, frozenset()):
+                ok = False  # the rank found its own shard there is not the committed one
             else:
-                ok = any(
-                    r in inv.committed.get(t, {}).get(step, frozenset()) for inv in inventories
-                )
+                ok = any(holds(inv, t, r) for inv in inventories)
             if ok:
                 tiers.append(t)
         out[r] = tuple(tiers)
     return out
+
+
+def _inc(inv: RankInventory, tier: str, step: int) -> str:
+    return inv.incarnations.get(tier, {}).get(step, "")
+
+
+def lineage_of(inventories: Sequence[RankInventory]) -> Lineage:
+    """The lineage of the union of every rank's incarnation records (bad records skipped)."""
+    recs: dict[str, Incarnation] = {}
+    for inv in inventories:
+        for d in inv.records:
+            try:
+                rec = Incarnation.model_validate(d)
+            except ValueError:
+                continue
+            recs.setdefault(rec.id, rec)
+    return Lineage(recs.values())
+
+
+def step_incarnation(
+    inventories: Sequence[RankInventory],
+    world_size: int,
+    step: int,
+    order: Sequence[str] = TIER_ORDER,
+    local_tiers: frozenset[str] = LOCAL_TIERS,
+    lineage: Lineage | None = None,
+) -> str | None:
+    """The live incarnation of which every rank can read its shard of ``step`` (the newest
+    such when several are), or None: the step is not restorable as one incarnation."""
+    lineage = lineage_of(inventories) if lineage is None else lineage
+    incs = {
+        _inc(inv, t, step)
+        for inv in inventories
+        for t, steps in inv.committed.items()
+        if step in steps
+    }
+    for inc in sorted(incs, reverse=True):  # ids are ordered by creation time
+        if not lineage.live(inc, step):
+            continue
+        if all(shard_sources(inventories, world_size, step, order, local_tiers, inc).values()):
+            return inc
+    return None
 
 
 def restorable_steps(
@@ -121,8 +196,10 @@ def restorable_steps(
     exclude: Iterable[int] = (),
     local_tiers: frozenset[str] = LOCAL_TIERS,
 ) -> list[int]:
-    """Steps for which every rank 0..world_size-1 can read a committed shard, newest first."""
+    """Steps for which every rank 0..world_size-1 can read a committed shard of one live
+    incarnation (:func:`step_incarnation`), newest first."""
     excluded = set(exclude)
+    lineage = lineage_of(inventories)
     candidates = {
         s for inv in inventories for steps in inv.committed.values() for s in steps
     } - excluded
@@ -130,7 +207,7 @@ def restorable_steps(
         (
             s
             for s in candidates
-            if all(shard_sources(inventories, world_size, s, order, local_tiers).values())
+            if step_incarnation(inventories, world_size, s, order, local_tiers, lineage) is not None
         ),
         reverse=True,
     )
@@ -160,7 +237,11 @@ def plan_restore(
     if not steps:
         return None
     step = steps[0]
-    return RestorePlan(step, shard_sources(inventories, world_size, step, order, local_tiers))
+    inc = step_incarnation(inventories, world_size, step, order, local_tiers)
+    assert inc is not None
+    return RestorePlan(
+        step, shard_sources(inventories, world_size, step, order, local_tiers, inc), inc
+    )
 
 
 def skipped_partial_steps(inventories: Sequence[RankInventory]) -> list[str]:

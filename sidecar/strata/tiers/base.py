@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from strata.config import TierName
-from strata.errors import ManifestError, ShardCorrupt, ShardUnavailable
+from strata.errors import ManifestError, ShardCorrupt, ShardUnavailable, TierError
 from strata.format.manifest import FORMAT_VERSION, Manifest
 
 
@@ -88,6 +88,9 @@ class StepListing:
     """From any committed manifest of the step (None if none is readable)."""
     mtime: float | None = None
     """Newest modification time seen in the step (seconds since the epoch), for GC grace."""
+    has_commit: bool = False
+    """A global commit record (``commit.json``) is present; whether it verifies and matches
+    the shards is for :mod:`strata.tiers.records` to say."""
 
     @property
     def complete(self) -> bool:
@@ -179,6 +182,28 @@ class Tier(abc.ABC):
     def close(self) -> None:
         """Release connections or other resources (default: none)."""
         return None
+
+    # -- small records (commit.json, incarnation records; strata.tiers.records) ----------------
+
+    def read_record(self, key: str) -> bytes | None:
+        """The bytes of the small object at layout ``key``; None when absent.
+        :class:`TierError` when the tier cannot be read. Default: this tier keeps no records."""
+        return None
+
+    def create_record(self, key: str, payload: bytes) -> bool:
+        """Create the small object at ``key`` only if absent (durably, atomically: a reader
+        sees all of ``payload`` or nothing); True when created, False when something is already
+        there (the caller reads and compares). :class:`TierError`/:class:`TierFull` on failure,
+        nothing left behind. Default: :class:`TierError` (this tier keeps no records)."""
+        raise TierError(f"the {self.name} tier keeps no records (cannot write {key})")
+
+    def delete_record(self, key: str) -> None:
+        """Remove the small object at ``key`` (absent: nothing to do). Default: nothing."""
+        return None
+
+    def list_records(self, prefix: str) -> list[str]:
+        """Names (last path component) of the objects directly under layout ``prefix``."""
+        return []
 
     def complete_steps(self, job_id: str) -> list[int]:
         """Steps whose every rank is committed here, ascending."""

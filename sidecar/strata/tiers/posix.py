@@ -41,6 +41,7 @@ from strata.errors import ShardCorrupt, ShardUnavailable, TierError, TierFull
 from strata.format import crc, layout
 from strata.format.manifest import Manifest
 from strata.tiers.base import StepListing, Tier, parse_manifest
+from strata.tiers.posix_records import PosixRecords
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def remove_quietly(path: Path) -> None:
         log.warning("could not remove partial file %s: %s", path, exc)
 
 
-class PosixTier(Tier):
+class PosixTier(PosixRecords, Tier):
     """Checkpoints in a POSIX directory ``root`` (see the module docstring for the protocol).
 
     ``name``: the tier name reported in provenance (``"pvc"``; the RAM tier subclasses this).
@@ -188,6 +189,7 @@ class PosixTier(Tier):
         manifests: set[int] = set()
         datas: set[int] = set()
         mtime = 0.0
+        has_commit = False
         try:
             files = list(os.scandir(d))
         except FileNotFoundError:  # deleted while listing
@@ -199,6 +201,7 @@ class PosixTier(Tier):
             except FileNotFoundError:
                 continue
             if parsed is None:
+                has_commit = has_commit or f.name == layout.COMMIT_NAME
                 continue
             (manifests if parsed[1] == "manifest" else datas).add(parsed[0])
         world_size = None
@@ -216,6 +219,7 @@ class PosixTier(Tier):
             partial_ranks=frozenset(datas - manifests),
             world_size=world_size,
             mtime=mtime or None,
+            has_commit=has_commit,
         )
 
     def _read_manifest(self, job_id: str, step: int, rank: int) -> Manifest:
@@ -390,9 +394,11 @@ class PosixTier(Tier):
             if man.exists():
                 # A different copy of this shard is committed: un-commit it before its data is
                 # replaced, so no reader ever pairs the old manifest with new bytes -- and only
-                # once the new source is known good, so a bad source never costs the old copy.
+                # once the new source is known good, so a bad source never costs the old copy. The
+                # step's global commit record named the old copy: it goes first.
                 if check is not None:
                     check.result()
+                remove_quietly(d / layout.COMMIT_NAME)
                 man.unlink()
                 self._sync_dir(d)
             try:
@@ -502,6 +508,9 @@ class PosixTier(Tier):
         manifests = [
             n for n, p in shards if p and p[1] == "manifest" and (ranks is None or p[0] in ranks)
         ]
+        if manifests:  # the step is no longer complete: the global commit record goes first
+            remove_quietly(d / layout.COMMIT_NAME)
+            self._sync_dir(d)
         for n in manifests:
             remove_quietly(d / n)
         if manifests:

@@ -81,6 +81,15 @@ class ShardCopier:
         for key in [k for k in self.attempts if k[1] < step]:
             self.attempts.pop(key, None)
 
+    def given_up(self, name: TierName) -> set[int]:
+        """Steps with a shard that failed ``max_attempts`` times on tier ``name`` (not retried;
+        the engine promotes the next eligible step instead)."""
+        return {
+            s
+            for (t, s, _r), (n, _) in self.attempts.items()
+            if t == name and n >= self.max_attempts
+        }
+
     def reset(self, name: TierName, step: int, rank: int) -> None:
         """Forget the failures of one shard (the SIGTERM flush ignores backoff)."""
         self.attempts.pop((name, step, rank), None)

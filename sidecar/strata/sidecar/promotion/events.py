@@ -8,8 +8,19 @@ from typing import Literal
 from strata.config import TierName
 
 EventKind = Literal[
-    "promoted", "failed", "gave_up", "checksum_mismatch", "retention", "gc", "sealed"
+    "promoted",
+    "failed",
+    "gave_up",
+    "checksum_mismatch",
+    "retention",
+    "gc",
+    "sealed",
+    "committed",
+    "superseded",
 ]
+"""``committed``: the step's global commit record was written in the tier (every rank's shard
+of one incarnation is there); ``superseded``: a shard of a superseded incarnation was removed
+so that the current incarnation's shard of that step could be committed."""
 
 
 @dataclass(frozen=True)
@@ -36,3 +47,5 @@ class RoundResult:
     """Tier -> step whose local shards are now all committed there (promoted this round)."""
     failed: dict[TierName, list[str]] = field(default_factory=dict)
     deleted: dict[TierName, list[int]] = field(default_factory=dict)
+    committed: dict[TierName, int] = field(default_factory=dict)
+    """Tier -> step whose global commit record this engine wrote this round."""

@@ -11,7 +11,7 @@ lose this sidecar's uncommitted data and the shards it wrote itself (writer id) 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,6 +42,7 @@ def plan_retention(
     now: float,
     grace_seconds: float,
     first_seen: Mapping[int, float] | None = None,
+    complete: Collection[int] | None = None,
 ) -> RetentionPlan:
     """Which steps of a tier to delete (pure).
 
@@ -51,17 +52,24 @@ def plan_retention(
     save or a promotion may be in flight); an incomplete step older than it is garbage once its
     newest file is older than ``grace_seconds`` (``now`` and ``mtime``: seconds since the epoch;
     a listing without ``mtime`` counts from ``first_seen[step]``, when this engine first saw it).
+    ``complete``: the steps that count as complete (issue 12: the tier's live committed global
+    steps); default: every listing whose ranks are all there.
     """
-    complete = sorted(s for s, listing in listings.items() if listing.complete)
-    if not complete:
+    done = sorted(
+        (s for s in complete if s in listings)
+        if complete is not None
+        else (s for s, listing in listings.items() if listing.complete)
+    )
+    if not done:
         return RetentionPlan()
-    newest = complete[-1]
-    prune = tuple(s for s in retention.to_delete(complete) if s != newest)
+    newest = done[-1]
+    done_set = set(done)
+    prune = tuple(s for s in retention.to_delete(done) if s != newest)
     gc: list[int] = []
     waiting: list[int] = []
     for step in sorted(listings):
         listing = listings[step]
-        if listing.complete or step >= newest:
+        if step in done_set or step >= newest:
             continue
         since = listing.mtime
         if since is None:
@@ -98,6 +106,7 @@ class Retention:
         *,
         now: float,
         first_seen: dict[int, float],
+        complete: Collection[int] | None = None,
     ) -> list[int]:
         """Retention and GC of ``tier`` for ``ranks``; returns the steps touched.
 
@@ -119,6 +128,7 @@ class Retention:
             now=now,
             grace_seconds=self.grace_seconds,
             first_seen=first_seen,
+            complete=complete,
         )
         touched: list[int] = []
         # A base step lives as long as a step that is kept references it (issue 18).

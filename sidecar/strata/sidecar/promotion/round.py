@@ -42,34 +42,27 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from strata.config import StrataConfig, TierName
-from strata.errors import ShardCorrupt, ShardUnavailable, TierError
+from strata.errors import CommitError, ShardCorrupt, ShardUnavailable, TierError
 from strata.format.manifest import Manifest
 from strata.sidecar.promotion.copy import ShardCopier
 from strata.sidecar.promotion.events import PromotionEvent, RoundResult
 from strata.sidecar.promotion.flush import FlushResult, flush
 from strata.sidecar.promotion.policies import TierPolicy, tier_policies
+from strata.sidecar.promotion.progress import TierProgress, choose_step
 from strata.sidecar.promotion.pruning import prune_ram
 from strata.sidecar.promotion.retention import Retention
+from strata.sidecar.promotion.world import RamWorld, World
 from strata.tiers.base import StepListing, Tier
 from strata.tiers.ram import RamTier
+from strata.tiers.records import commit_if_complete, committed_steps, lineage
 from strata.tiers.slots import SlotLease
 
 log = logging.getLogger("strata.promotion")
 
 DURABLE_TIERS: tuple[TierName, ...] = ("pvc", "gcs")
 """Durable tiers, fastest first (the SIGTERM flush goes to the first configured one)."""
-
-
-@dataclass
-class _TierProgress:
-    initialised: bool = False
-    last_step: int | None = None
-    last_time: float | None = None
-    last_maintenance: float | None = None
-    first_seen: dict[int, float] = field(default_factory=dict)
 
 
 class PromotionEngine:
@@ -122,7 +115,10 @@ class PromotionEngine:
         self.maintenance_seconds = maintenance_seconds
         self._clock = clock
         self._wall = wall_clock
-        self._progress: dict[TierName, _TierProgress] = {t: _TierProgress() for t in self.durable}
+        self._progress: dict[TierName, TierProgress] = {t: TierProgress() for t in self.durable}
+        self.ram_world = RamWorld(ram, self.job_id)
+        self.world = World(None, None, frozenset())
+        """The newest snapshot of the current incarnation (:meth:`local_ranks` takes it)."""
         self._unverified_since: dict[tuple[int, int], float] = {}
         self._tier_locks: dict[TierName, threading.Lock] = {
             t: threading.Lock() for t in self.durable
@@ -155,13 +151,13 @@ class PromotionEngine:
         self._declared.update(ranks)
 
     def local_ranks(self, ram_steps: dict[int, StepListing] | None = None) -> set[int]:
-        """Declared ranks plus every rank with slots or shards in this job's RAM directory
-        (``ram_steps``: a listing of the RAM tier already taken, to avoid a second one)."""
-        ranks = set(self._declared)
-        ranks.update(self.ram.slot_ranks(self.job_id))
-        for listing in (self.ram_steps() if ram_steps is None else ram_steps).values():
-            ranks.update(listing.committed_ranks)
-        return ranks
+        """Local ranks of the current incarnation (:mod:`strata.sidecar.promotion.world`):
+        declared ranks and ranks holding its RAM shards, below its world size; leftover slot
+        directories only count while nothing is saved on this node (``ram_steps``: a listing
+        of the RAM tier already taken, to avoid a second one)."""
+        listing = self.ram_steps() if ram_steps is None else ram_steps
+        self.world = self.ram_world.snapshot(listing, self._declared)
+        return set(self.world.ranks)
 
     def ram_steps(self) -> dict[int, StepListing]:
         return self.ram.list_steps(self.job_id)
@@ -178,7 +174,7 @@ class PromotionEngine:
         ranks = self.local_ranks(listing) if ranks is None else ranks
         if not ranks:
             return []
-        return [s for s, entry in listing.items() if ranks <= entry.committed_ranks]
+        return self.world.steps(ranks)
 
     def ram_manifests(self, step: int, ranks: set[int], seal: bool) -> dict[int, Manifest] | None:
         """Checksummed RAM manifests of ``step`` for ``ranks``; None when some are not yet.
@@ -229,28 +225,47 @@ class PromotionEngine:
     # -- tier progress ----------------------------------------------------------------------------
 
     def init_tier(self, name: TierName, ranks: set[int]) -> bool:
-        """Start a durable tier's interval from the newest step it already holds for ``ranks``
-        (once, when the ranks are known); False while that listing has not succeeded."""
+        """Start a durable tier's interval from its newest live committed step (once the ranks
+        are known, and again whenever the current incarnation changes); False while the tier
+        cannot be read."""
         progress = self._progress[name]
-        if progress.initialised:
+        if progress.initialised and progress.incarnation == self.world.incarnation:
             return True
         if not ranks:
             return False
-        try:
-            step = self._newest_local_step(self.durable[name], ranks)
-        except TierError as exc:
-            log.warning("cannot list the %s tier yet: %s", name, exc)
+        if not self.refresh_tier(name):
             return False
-        if progress.last_step is None or (step is not None and step > progress.last_step):
-            progress.last_step = step
         progress.initialised = True
         return True
 
+    def refresh_tier(self, name: TierName) -> bool:
+        """Re-read the tier's commit records and incarnation records: its live committed steps
+        of the current incarnation's lineage (:class:`TierProgress`). False when it cannot be
+        read (the previous view stays)."""
+        tier = self.durable[name]
+        progress = self._progress[name]
+        try:
+            lin = lineage(
+                [tier], self.job_id, current=self.world.incarnation, extra=self.world.records
+            )
+            commits = committed_steps(tier, self.job_id)
+        except TierError as exc:
+            log.warning("cannot read the %s tier's commits yet: %s", name, exc)
+            return False
+        progress.incarnation = self.world.incarnation
+        progress.lineage = lin
+        live = {s: c for s, c in commits.items() if lin.live(c.incarnation, s)}
+        for s, c in commits.items():
+            if s not in live:
+                log.debug("%s: %s", name, lin.why_dead(c.incarnation, s))
+        progress.set_committed(live)
+        return True
+
     def _newest_local_step(self, tier: Tier, ranks: set[int]) -> int | None:
-        if not ranks:
-            return None
-        steps = [s for s, li in tier.list_steps(self.job_id).items() if ranks <= li.committed_ranks]
-        return max(steps) if steps else None
+        name = tier.name
+        if name in self._progress and self.refresh_tier(name):
+            return self._progress[name].last_step
+        return None
 
     def last_promoted(self) -> dict[TierName, int | None]:
         return {name: p.last_step for name, p in self._progress.items()}
@@ -269,7 +284,7 @@ class PromotionEngine:
         """
         result = RoundResult()
         listing = self.ram_steps()  # one listing of the RAM tier per round
-        ranks = self.local_ranks(listing)
+        ranks = self.local_ranks(listing)  # and one snapshot of the current incarnation
         ram_steps = self.ram_steps_of(ranks, listing)
         step = max(ram_steps, default=None)
         manifests = self.ram_manifests(step, ranks, seal) if step is not None else None
@@ -285,9 +300,21 @@ class PromotionEngine:
                 if not self.init_tier(name, ranks):
                     continue
                 force = force_tier == name
-                # The tier's interval picks which RAM step (e.g. a multiple of every.steps);
-                # a flush takes the newest.
-                tier_step = step if force else self.policies[name].interval.candidate(ram_steps)
+                # The tier's own committed steps and its interval pick which RAM step (see
+                # strata.sidecar.promotion.progress); a flush takes the newest.
+                p = self._progress[name]
+                tier_step = (
+                    step
+                    if force
+                    else choose_step(
+                        p,
+                        self.policies[name].interval,
+                        ram_steps,
+                        self._clock(),
+                        p.last_time or self._started,
+                        self.copier.given_up(name),
+                    )
+                )
                 tier_manifests = manifests
                 if tier_step != step:
                     tier_manifests = (
@@ -318,16 +345,46 @@ class PromotionEngine:
         progress = self._progress[name]
         if progress.last_step is not None and step <= progress.last_step:
             return
-        due = force or self.policies[name].interval.due(
-            step, progress.last_step, self._clock(), progress.last_time or self._started
+        waiting = step in progress.placed and set(manifests) <= progress.placed[step]
+        due = (
+            force
+            or waiting
+            or self.policies[name].interval.due(
+                step, progress.last_step, self._clock(), progress.last_time or self._started
+            )
         )
         if not due:
             return
-        failures = self._promote_step(name, step, manifests)
-        if failures:
-            result.failed[name] = failures
-        else:
+        if not waiting:
+            failures = self._promote_step(name, step, manifests)
+            if failures:
+                result.failed[name] = failures
+                return
             result.promoted[name] = step
+        self._commit(name, step, result)
+
+    def _commit(self, name: TierName, step: int, result: RoundResult) -> None:
+        """Write the step's global commit record in the tier if every rank's shard of the
+        current incarnation is there (any sidecar that sees it complete does; idempotent)."""
+        tier = self.durable[name]
+        try:
+            commit = commit_if_complete(
+                tier,
+                self.job_id,
+                step,
+                self.writer_id,
+                self.world.incarnation,
+                self.world.chain(),
+            )
+        except (TierError, CommitError) as exc:
+            log.warning("commit record of step %d in %s not written: %s", step, name, exc)
+            return
+        if commit is None:
+            return
+        progress = self._progress[name]
+        progress.set_committed({**progress.committed, step: commit})
+        result.committed[name] = step
+        self._emit(PromotionEvent("committed", name, step, tuple(range(commit.world_size))))
 
     def _maintain_if_due(self, name: TierName, ranks: set[int], result: RoundResult) -> None:
         p = self._progress[name]
@@ -336,20 +393,42 @@ class PromotionEngine:
             p.last_maintenance is None or now - p.last_maintenance >= self.maintenance_seconds
         ):
             p.last_maintenance = now
+            self._commit_finished(name, result)
             deleted = self.retention.maintain(
                 self.durable[name],
                 ranks,
                 self.policies[name].retention,
                 now=self._wall(),
                 first_seen=p.first_seen,
+                complete=set(p.committed),
             )
             if deleted:
                 result.deleted[name] = deleted
+                self.refresh_tier(name)
+
+    def _commit_finished(self, name: TierName, result: RoundResult) -> None:
+        """Commit steps whose shards are all in the tier but whose record is missing: the
+        sidecar that placed the last shard died before writing it (any sidecar finishes it)."""
+        if not self.refresh_tier(name):
+            return
+        last = self._progress[name].last_step
+        try:
+            listing = self.durable[name].list_steps(self.job_id)
+        except TierError:
+            return
+        for step, entry in sorted(listing.items()):
+            if entry.has_commit or not entry.complete or (last is not None and step <= last):
+                continue
+            self._commit(name, step, result)
 
     def _promote_step(self, name: TierName, step: int, manifests: dict[int, Manifest]) -> list[str]:
-        """Copy every local shard of ``step`` into tier ``name``; returns failure messages."""
+        """Copy every local shard of ``step`` into tier ``name``; returns failure messages.
+
+        A shard of a superseded incarnation already there for a rank (a replay rewrites the
+        step) is removed first: it can never be restored, and GCS never overwrites an object."""
         started = self._clock()
         ranks = sorted(manifests)
+        self._drop_superseded(name, step, ranks)
         with ThreadPoolExecutor(
             max_workers=min(self.max_workers, len(ranks)), thread_name_prefix=f"strata-{name}"
         ) as pool:
@@ -362,7 +441,7 @@ class PromotionEngine:
         nbytes = sum(n for _ok, n, _msg in outcomes)
         seconds = self._clock() - started
         progress = self._progress[name]
-        progress.last_step = step
+        progress.placed.setdefault(step, set()).update(ranks)
         progress.last_time = self._clock()
         log.info(
             "promoted step %d to %s (%d bytes, %.3fs)",
@@ -380,6 +459,33 @@ class PromotionEngine:
         )
         self._emit(PromotionEvent("promoted", name, step, tuple(ranks), nbytes, seconds))
         return []
+
+    def _drop_superseded(self, name: TierName, step: int, ranks: list[int]) -> None:
+        tier = self.durable[name]
+        lin = self._progress[name].lineage
+        current = self.world.incarnation
+        for rank in ranks:
+            try:
+                there = tier.get_manifest(self.job_id, step, rank)
+            except ShardUnavailable:
+                continue
+            if current is None or there.incarnation == current or lin.live(there.incarnation, step):
+                continue
+            why = lin.why_dead(there.incarnation, step)
+            try:
+                tier.delete_step(self.job_id, step, frozenset({rank}))
+            except TierError as exc:
+                log.warning("cannot remove superseded rank %d of step %d: %s", rank, step, exc)
+                continue
+            log.info(
+                "removed rank %d of step %d from %s: %s",
+                rank,
+                step,
+                name,
+                why,
+                extra={"event": "superseded", "tier": name, "step": step, "rank": rank},
+            )
+            self._emit(PromotionEvent("superseded", name, step, (rank,), message=why))
 
     # -- retention --------------------------------------------------------------------------------
 

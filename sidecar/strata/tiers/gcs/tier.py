@@ -76,12 +76,13 @@ from strata.tiers.gcs.client import (
     _updated,
 )
 from strata.tiers.gcs.download import GcsDownloader
+from strata.tiers.gcs.records import GcsRecords
 from strata.tiers.gcs.upload import GcsUploader
 
 log = logging.getLogger(__name__)
 
 
-class GcsTier(GcsUploader, GcsDownloader, Tier):
+class GcsTier(GcsUploader, GcsDownloader, GcsRecords, Tier):
     """Checkpoints in a GCS bucket, in the common layout under ``config.prefix``.
 
     ``writer_id`` is stamped into every object's metadata (``strata-writer-id``) and decides what
@@ -145,6 +146,7 @@ class GcsTier(GcsUploader, GcsDownloader, Tier):
             partial_ranks=frozenset(data - committed),
             world_size=world_size,
             mtime=mtime,
+            has_commit=layout.COMMIT_NAME in objects,
         )
 
     def list_steps(self, job_id: str) -> dict[int, StepListing]:
@@ -213,7 +215,12 @@ class GcsTier(GcsUploader, GcsDownloader, Tier):
                 continue
             parsed = layout.parse_shard(fname)
             (manifests if parsed is not None and parsed[1] == "manifest" else others).append(blob)
-        for blob in [*manifests, *others]:
+        commit = objects.get(layout.COMMIT_NAME)
+        if manifests and commit is not None and commit not in others:
+            others.append(commit)
+        # The global commit record goes first: the step is no longer complete.
+        first = [b for b in others if b is commit]
+        for blob in [*first, *manifests, *(b for b in others if b is not commit)]:
             with self._errors("deleting", blob.name, missing=ShardUnavailable):
                 try:
                     blob.delete(

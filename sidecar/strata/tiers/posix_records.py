@@ -1,0 +1,97 @@
+"""Small records on a POSIX tier (PVC, RAM): conditional create by ``O_EXCL`` + ``link``.
+
+:meth:`PosixRecords.create_record` writes the payload to a unique temporary file, ``fsync``\\ s it,
+then ``link``\\ s it to the final name: ``link`` fails with ``EEXIST`` when the name exists, so of
+two writers exactly one creates the record and neither ever replaces it, and a reader sees the
+whole payload or no file (a crash leaves at most the temporary file, which is removed by the
+next writer's cleanup of its own name only; ``gc`` of ``*.tmp-*`` names happens with the step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import uuid
+from pathlib import Path
+
+from strata.errors import TierError, TierFull
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PosixRecords:
+    """Mixin for :class:`strata.tiers.posix.PosixTier` (needs ``root``, ``fsync``, ``name``)."""
+
+    root: Path
+    fsync: bool
+    name: str
+
+    def read_record(self, key: str) -> bytes | None:
+        path = self.root / key
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise TierError(f"cannot read {path} ({exc.strerror}); check the mount") from exc
+
+    def create_record(self, key: str, payload: bytes) -> bool:
+        path = self.root / key
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            if self.fsync:
+                _fsync_dir(path.parent)
+            return True
+        except OSError as exc:
+            if exc.errno in _FULL:
+                raise TierFull(
+                    f"no space left on the {self.name} tier writing {path}; nothing was created"
+                ) from exc
+            raise TierError(f"cannot create {path} ({exc}); nothing was created") from exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def delete_record(self, key: str) -> None:
+        path = self.root / key
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise TierError(f"cannot delete {path} ({exc.strerror})") from exc
+        if self.fsync:
+            with contextlib.suppress(OSError):
+                _fsync_dir(path.parent)
+
+    def list_records(self, prefix: str) -> list[str]:
+        d = self.root / prefix
+        try:
+            return sorted(e.name for e in os.scandir(d) if e.is_file() and ".tmp-" not in e.name)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise TierError(f"cannot list {d} ({exc.strerror}); check the mount") from exc

@@ -1,0 +1,210 @@
+"""Global commit records and incarnation records in a tier (issue 12), through the Tier contract.
+
+- :func:`commit_if_complete`: the step's global commit record, written when every rank's shard of
+  one incarnation is committed in the tier (conditional create: ``O_EXCL`` + ``link`` on POSIX,
+  ``if_generation_match=0`` on GCS). Idempotent: a record already there that commits the same
+  shards is accepted; any other is an error (:class:`CommitError`).
+- :func:`committed_steps`: the steps of a tier with a commit record that verifies (seal), by step.
+- :func:`verify_commit`: the record still describes the shards next to it (each rank's manifest
+  bytes and data checksum are the ones committed).
+- :func:`read_incarnations` / :func:`write_incarnation`: ``<job>/incarnations/<id>.json``.
+
+Who writes what and what happens when a writer dies at each point: docs/architecture.md
+"Global commit and incarnations".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from strata.errors import CommitError, ShardUnavailable, TierError
+from strata.format import layout
+from strata.format.commit import StepCommit, build_commit
+from strata.format.incarnation import Incarnation, Lineage
+from strata.format.manifest import Manifest
+from strata.tiers.base import Tier, parse_manifest
+
+log = logging.getLogger("strata.records")
+
+
+def read_manifest_raw(tier: Tier, job_id: str, step: int, rank: int) -> tuple[Manifest, bytes]:
+    """A committed manifest with its stored bytes. :class:`ShardUnavailable` when absent,
+    :class:`ShardCorrupt` when malformed (as :meth:`Tier.get_manifest`)."""
+    key = layout.manifest_key(job_id, step, rank)
+    raw = tier.read_record(key)
+    if raw is None:
+        raise ShardUnavailable(f"{tier.name}:{key}: not committed")
+    return parse_manifest(raw, f"{tier.name}:{key}", job_id, step, rank), raw
+
+
+def read_commit(tier: Tier, job_id: str, step: int) -> StepCommit | None:
+    """The step's commit record in ``tier``; None when absent. :class:`CommitError` when it is
+    torn, corrupt or another step's; :class:`TierError` when the tier cannot be read."""
+    key = layout.commit_key(job_id, step)
+    raw = tier.read_record(key)
+    if raw is None:
+        return None
+    c = StepCommit.from_bytes(raw, f"{tier.name}:{key}")
+    c.check_identity(job_id, step)
+    return c
+
+
+def committed_steps(
+    tier: Tier, job_id: str, steps: Iterable[int] | None = None
+) -> dict[int, StepCommit]:
+    """Steps of ``tier`` whose commit record verifies (its seal; not yet against the shards).
+
+    ``steps``: only these (default: every step the listing shows with a record). A bad record
+    is logged and left out (the step is then not complete there). :class:`TierError` when the
+    tier cannot be listed.
+    """
+    if steps is None:
+        steps = [s for s, li in tier.list_steps(job_id).items() if li.has_commit]
+    out: dict[int, StepCommit] = {}
+    for step in steps:
+        try:
+            c = read_commit(tier, job_id, step)
+        except CommitError as exc:
+            log.warning("step %d is not complete in the %s tier: %s", step, tier.name, exc)
+            continue
+        if c is not None:
+            out[step] = c
+    return out
+
+
+def verify_commit(tier: Tier, commit: StepCommit) -> list[str]:
+    """Problems with ``commit`` against the shards next to it in ``tier`` (empty: it holds)."""
+    problems = []
+    for rank in range(commit.world_size):
+        try:
+            m, raw = read_manifest_raw(tier, commit.job_id, commit.step, rank)
+        except TierError as exc:
+            problems.append(f"rank {rank}: {exc}")
+            continue
+        if not commit.matches(m, raw):
+            problems.append(
+                f"rank {rank}: the shard there (incarnation {m.incarnation!r}, crc32c "
+                f"{m.crc32c}) is not the one committed (incarnation {commit.incarnation!r})"
+            )
+    return problems
+
+
+def commit_if_complete(
+    tier: Tier,
+    job_id: str,
+    step: int,
+    writer_id: str,
+    incarnation: str | None = None,
+    records: Iterable[Incarnation] = (),
+) -> StepCommit | None:
+    """Write the step's commit record if every rank's shard of one incarnation is committed.
+
+    ``incarnation``: only commit shards of that incarnation. ``records``: incarnation records to
+    make sure the tier holds first (the committing incarnation's lineage), so that a reader of
+    this tier alone can tell live steps from superseded ones.
+    Returns the record now in the tier (written by this call or an earlier writer), or None
+    when the step is not complete there (a rank missing, or shards of another incarnation).
+    Raises :class:`CommitError` when a different record is already there, :class:`TierError`
+    (:class:`TierFull`) when the tier fails; nothing partial is ever left visible.
+    """
+    listing = tier.list_steps(job_id).get(step)
+    if listing is None or not listing.committed_ranks or listing.world_size is None:
+        return None
+    if not set(range(listing.world_size)) <= listing.committed_ranks:
+        return None
+    shards: dict[int, tuple[Manifest, bytes]] = {}
+    for rank in range(listing.world_size):
+        try:
+            shards[rank] = read_manifest_raw(tier, job_id, step, rank)
+        except ShardUnavailable:
+            return None
+    try:
+        commit = build_commit(job_id, step, shards, writer_id, incarnation)
+    except CommitError as exc:
+        log.info("step %d not committable in the %s tier yet: %s", step, tier.name, exc)
+        return None
+    for rec in records:
+        write_incarnation(tier, rec)
+    return write_commit(tier, commit)
+
+
+def write_commit(tier: Tier, commit: StepCommit) -> StepCommit:
+    """Create the commit record unless one is there; returns the record in the tier.
+
+    An existing record that commits the same shards is accepted (another sidecar got there
+    first). A torn or corrupt one (its writer died mid-write on a medium without atomic
+    create, or it rotted) is replaced once the shards verify against the new record. Any other
+    record raises :class:`CommitError`.
+    """
+    key = layout.commit_key(commit.job_id, commit.step)
+    if tier.create_record(key, commit.to_bytes()):
+        log.info(
+            "committed step %d in the %s tier (incarnation %s, world size %d)",
+            commit.step,
+            tier.name,
+            commit.incarnation,
+            commit.world_size,
+            extra={"event": "step_committed", "tier": tier.name, "step": commit.step},
+        )
+        return commit
+    try:
+        existing = read_commit(tier, commit.job_id, commit.step)
+    except CommitError as exc:
+        log.warning("replacing a bad commit record in the %s tier: %s", tier.name, exc)
+        tier.delete_record(key)
+        if tier.create_record(key, commit.to_bytes()):
+            return commit
+        existing = read_commit(tier, commit.job_id, commit.step)
+    if existing is None:  # deleted meanwhile (retention): the step is going away
+        raise CommitError(f"{tier.name}:{key} vanished while being committed")
+    if not existing.same_commit(commit):
+        raise CommitError(
+            f"{tier.name}:{key} already commits other shards (incarnation "
+            f"{existing.incarnation!r}, world size {existing.world_size}); un-commit that step "
+            "before committing it again"
+        )
+    return existing
+
+
+def read_incarnations(tier: Tier, job_id: str) -> list[Incarnation]:
+    """Every readable incarnation record of ``job_id`` in ``tier`` (bad ones logged, skipped)."""
+    out = []
+    prefix = layout.incarnations_prefix(job_id)
+    for name in tier.list_records(prefix):
+        inc = layout.parse_incarnation_name(name)
+        if inc is None:
+            continue
+        raw = tier.read_record(f"{prefix}/{name}")
+        if raw is None:
+            continue
+        try:
+            rec = Incarnation.from_bytes(raw, f"{tier.name}:{prefix}/{name}")
+        except CommitError as exc:
+            log.warning("ignoring incarnation record: %s", exc)
+            continue
+        if rec.id == inc and rec.job_id == job_id:
+            out.append(rec)
+    return out
+
+
+def write_incarnation(tier: Tier, rec: Incarnation) -> bool:
+    """Create ``rec`` in ``tier`` unless it is there; True when this call created it."""
+    return tier.create_record(layout.incarnation_key(rec.job_id, rec.id), rec.to_bytes())
+
+
+def lineage(
+    tiers: Iterable[Tier],
+    job_id: str,
+    current: str | None = None,
+    extra: Iterable[Incarnation] = (),
+) -> Lineage:
+    """:class:`Lineage` from the records of every tier that can be read (others skipped)."""
+    recs: dict[str, Incarnation] = {r.id: r for r in extra}
+    for tier in tiers:
+        try:
+            for r in read_incarnations(tier, job_id):
+                recs.setdefault(r.id, r)
+        except TierError as exc:
+            log.info("incarnation records of %s not read: %s", tier.name, exc)
+    return Lineage(recs.values(), current)
