@@ -350,9 +350,16 @@ def test_enospc_burst_promotes_the_newest_eligible_step_once_the_tier_accepts_wr
     """The PVC is full while step 50 is due: the sidecar gives up on 50 after its attempts; once
     space is back, the newest eligible step (60) is promoted at once, not at step 100."""
     pvc = small_tmpfs(4 * 1024 * 1024)
+    (pvc / "ckpt").mkdir()
     ballast = pvc / "ballast"
-    with open(ballast, "wb") as f:
-        f.write(b"\0" * (4 * 1024 * 1024 - 64 * 1024))
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)
+    try:  # fill the file system to the last block
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     cl = Cluster(shm_dir, sidecar_proc, pvc=pvc / "ckpt", pvc_every=50, ram_keep=2)
     tier = PosixTier(pvc / "ckpt")
     sp = cl.start_sidecar(0)

@@ -290,7 +290,7 @@ class PromotionEngine:
         manifests = self.ram_manifests(step, ranks, seal) if step is not None else None
         if step is not None and manifests is not None:
             result.ram_step = step
-        self._forget_older_than(step)
+        self._forget_older_than(step, min(ram_steps, default=None))
         for name in self.durable:
             if force_tier is not None and name != force_tier:
                 continue
@@ -326,13 +326,14 @@ class PromotionEngine:
                     self._maintain_if_due(name, ranks, result)
         return result
 
-    def _forget_older_than(self, step: int | None) -> None:
-        """Drop bookkeeping of steps older than the newest RAM step (bounded memory)."""
+    def _forget_older_than(self, step: int | None, oldest: int | None) -> None:
+        """Drop bookkeeping of steps older than the newest RAM step (bounded memory); failed
+        attempts only of steps that left RAM (a given-up step still there stays given up)."""
         if step is None:
             return
         for key in [k for k in self._unverified_since if k[0] < step]:
             self._unverified_since.pop(key, None)
-        self.copier.forget_older_than(step)
+        self.copier.forget_older_than(step if oldest is None else oldest)
 
     def promote_if_due(
         self,
