@@ -17,8 +17,8 @@ import strata
 from strata.client import Checkpointer, RestoreError
 from strata.config import StrataConfig
 from strata.tiers.gcs import GcsTier
-from strata.tiers.records import commit_if_complete
 from strata.tiers.posix import PosixTier
+from strata.tiers.records import commit_if_complete
 from strata.tiers.slots import SLOT_ALIGN, slots_dir
 from tests.fixtures.gcs import GcsEmulator
 from tests.fixtures.leases import lease_holder

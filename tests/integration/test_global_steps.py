@@ -366,9 +366,7 @@ def test_enospc_burst_promotes_the_newest_eligible_step_once_the_tier_accepts_wr
     go = shm_dir / "space-is-back"
 
     def gave_up_50() -> bool:
-        return any(
-            e.get("event") == "gave_up" and e.get("step") == 50 for e in sp.log_events()
-        )
+        return any(e.get("event") == "gave_up" and e.get("step") == 50 for e in sp.log_events())
 
     def big(seed: int, step: int) -> dict[str, Any]:
         return {"save": step, "seed": seed}
@@ -401,9 +399,7 @@ def test_sigkill_of_a_sidecar_while_the_global_record_is_written(
     tier = PosixTier(pvc)
     cl.start_sidecar(0)
     sp1 = cl.start_sidecar(1)
-    killed = threading_kill_when(
-        lambda: tier.manifest_path(JOB, 10, 1).exists(), sp1.proc.pid
-    )
+    killed = threading_kill_when(lambda: tier.manifest_path(JOB, 10, 1).exists(), sp1.proc.pid)
     cl.train(2, [{"restore": 1}, {"save": 10, "seed": 4}])
     killed.join(timeout=120)
     cl.sidecars.pop(1).kill()
