@@ -198,6 +198,10 @@ def committed(tier: Tier, step: int) -> dict[str, Any] | None:
     return {"incarnation": c.incarnation, "world_size": c.world_size}
 
 
+def commit_path(root: Path, step: int) -> Path:
+    return root / JOB / "steps" / f"{step:012d}" / "commit.json"
+
+
 def live(tier: Tier, step: int) -> bool:
     c = read_commit(tier, JOB, step)
     return c is not None and Lineage(read_incarnations(tier, JOB)).live(c.incarnation, step)
@@ -230,12 +234,17 @@ def test_world_size_changes_both_directions_on_the_same_ram_and_pvc_paths(
     cl.kill_sidecar(0)
 
     cl.start_sidecar(0)  # a new pod on the same node: ranks 2-3 left slots and shards in RAM
-    saves = [{"save": s, "seed": 2} for s in (100, 200, 300)]
+    saves = [
+        act
+        for s in (100, 200, 300)  # each waits for its commit record: none may be skipped
+        for act in ({"save": s, "seed": 2}, {"wait_file": str(commit_path(pvc, s))})
+    ]
     res = cl.train(2, [{"restore": 1}, *saves], nodes=[0, 0])
     assert [r["restored"]["step"] for r in res] == [None, None]
-    for step in (100, 200, 300):
-        wait_until(lambda s=step: committed(tier, s) is not None, f"step {step} committed")  # type: ignore[misc]
+    # Each was committed (the trainers waited for it); retention (keep 2) on the live ones only.
+    for step in (200, 300):
         assert committed(tier, step)["world_size"] == 2  # type: ignore[index]
+    assert committed(tier, 100) is None
     assert not live(tier, 700)
     cl.kill_sidecar(0)
 
