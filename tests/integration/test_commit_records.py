@@ -10,7 +10,7 @@ import pytest
 
 from strata.errors import CommitError
 from strata.format import layout
-from strata.format.commit import build_commit
+from strata.format.commit import StepCommit, build_commit
 from strata.tiers.base import Tier
 from strata.tiers.gcs import GcsTier
 from strata.tiers.posix import PosixTier
@@ -51,7 +51,7 @@ def test_commit_written_once_when_complete_idempotent_and_racing(shm_dir: Path, 
     assert commit_if_complete(tier, JOB, 10, "w0") is None  # rank 1 missing
     assert read_commit(tier, JOB, 10) is None
     fill(ram, tier, 10, 2, "inc-a", [1])
-    results: list[object] = []
+    results: list[StepCommit | None] = []
     threads = [
         threading.Thread(
             target=lambda i=i: results.append(commit_if_complete(tier, JOB, 10, f"w{i}"))
@@ -64,7 +64,7 @@ def test_commit_written_once_when_complete_idempotent_and_racing(shm_dir: Path, 
         t.join()
     stored = read_commit(tier, JOB, 10)
     assert stored is not None and stored.incarnation == "inc-a" and stored.world_size == 2
-    assert all(r is not None and r.same_commit(stored) for r in results)  # type: ignore[union-attr]
+    assert all(r is not None and r.same_commit(stored) for r in results)
     assert verify_commit(tier, stored) == []
     assert tier.list_steps(JOB)[10].has_commit
 
