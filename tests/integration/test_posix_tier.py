@@ -109,6 +109,23 @@ def test_corrupt_source_is_never_promoted(tmp_path: Path) -> None:
     assert 5 not in tier.list_steps(JOB)
 
 
+def test_a_corrupt_source_never_costs_the_committed_copy_it_would_replace(tmp_path: Path) -> None:
+    """The source is checksummed while it is copied (issue 14); a bad one is found before the
+    copy already committed for that shard is un-committed."""
+    tier = PosixTier(tmp_path / "pvc")
+    old_src, old_m, old_data = make_shard(tmp_path, 5)
+    tier.put_shard(JOB, 5, 0, old_src, old_m)
+    (tmp_path / "new").mkdir()
+    src, m, _ = make_shard(tmp_path / "new", 5)
+    raw = bytearray(src.read_bytes())
+    raw[5000] ^= 0x01
+    src.write_bytes(bytes(raw))
+    with pytest.raises(ShardCorrupt, match="CRC32C mismatch"):
+        tier.put_shard(JOB, 5, 0, src, m)
+    assert tier.get_manifest(JOB, 5, 0).crc32c == old_m.crc32c
+    assert tier.data_path(JOB, 5, 0).read_bytes()[: len(old_data)] == old_data
+
+
 def test_unchecksummed_manifest_is_refused(tmp_path: Path) -> None:
     tier = PosixTier(tmp_path / "pvc")
     src, m, _ = make_shard(tmp_path, 5)
