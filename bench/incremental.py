@@ -4,7 +4,8 @@ PVC directory and fake-gcs-server, with incremental copies on vs off.
 
 Per save: bytes the save copies into RAM (always the whole state: the stall does not grow), the
 stall, and the bytes each promotion writes to the PVC and to GCS (the engine's ``promoted``
-events). Run: ``python -m bench.incremental [--base-mib 1024] [--steps 4] [--out FILE]``.
+events). Modes: ``full`` (incremental copies off), ``incremental``, ``archive`` (GCS keeps the
+weights only, ``components: [base, adapters]``, each copy in full: GCS bytes per archive step). Run: ``python -m bench.incremental [--base-mib 1024] [--steps 4] [--out FILE]``.
 Needs fake-gcs-server (``strata.testing.emulator``) and ~4x the base size of free memory.
 """
 
@@ -62,12 +63,14 @@ def run(
     bucket = f"bench-{mode}"
     client = gcs.client(project="bench")
     client.create_bucket(bucket)
-    gcs_cfg = {
+    gcs_cfg: dict[str, Any] = {
         "bucket": bucket,
         "endpoint": gcs.endpoint,
         "every": {"steps": 10},
-        "keep": 2,
+        "keep": 1,
     }
+    if mode == "archive":  # weights only (no optimizer state), every copy in full
+        gcs_cfg.update(components=["base", "adapters"], incremental=False)
     cfg = StrataConfig.parse(
         {
             "job_id": JOB,
@@ -83,7 +86,7 @@ def run(
     gtier = GcsTier(cfg.gcs, writer_id="bench", client=client)  # type: ignore[arg-type]
     events: list[PromotionEvent] = []
     engine = PromotionEngine(cfg, ram, {"pvc": pvc, "gcs": gtier}, on_event=events.append)
-    engine.copier.incremental = mode == "incremental"
+    engine.copier.incremental = mode != "full"
     rows = []
     with Checkpointer(cfg, rank=0, world_size=1) as c:
         for i in range(1, steps + 1):
@@ -148,16 +151,17 @@ def main() -> None:
     ap.add_argument("--base-mib", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--modes", nargs="+", default=["full", "incremental", "archive"])
     ap.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="RAM tier (tmpfs)")
     ap.add_argument("--disk", type=Path, default=Path("/tmp"), help="PVC tier (a disk)")
     args = ap.parse_args()
     out = []
     with (
-        FakeGcsServer() as gcs,
+        FakeGcsServer(backend="filesystem") as gcs,
         tempfile.TemporaryDirectory(dir=args.dir) as tmp,
         tempfile.TemporaryDirectory(dir=args.disk) as disk,
     ):
-        for mode in ("full", "incremental"):
+        for mode in args.modes:
             out.append(run(mode, args.base_mib, args.steps, Path(tmp), Path(disk), gcs))
             shutil.rmtree(Path(tmp) / mode, ignore_errors=True)
             shutil.rmtree(Path(disk) / mode, ignore_errors=True)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -53,6 +53,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from strata.client.cadence import ComponentCadence
 from strata.client.cuda_host import holds_cuda
 from strata.client.loader import load_shard
 from strata.client.saver import Saver
@@ -176,6 +177,9 @@ class RestoreResult:
     """Notes: partial steps (C-03), quarantined copies (C-04), other world sizes, tiers down."""
     state: Any = None
     """The loaded state tree (live objects where they were updated in place)."""
+    component_steps: dict[str, int] = field(default_factory=dict)
+    """Components saved at their own cadence: the step each one's bytes come from (issue 18;
+    ``component_every``); empty: every component is from ``step``."""
 
     @property
     def fresh_start(self) -> bool:
@@ -207,6 +211,8 @@ class Checkpointer:
     ``process_group``: for the all-gather of inventories (default group).
     ``register_limit_bytes``: the most RAM-slot bytes page-locked with CUDA at once when the
     state holds CUDA tensors (None: only the driver's limits; :mod:`strata.client.cuda_host`).
+    ``component_every``: top-level keys of a dict state saved at their own cadence (e.g.
+    ``{"ema": 100}``; :mod:`strata.client.cadence`).
     Raises :class:`strata.config.ConfigError` for a bad configuration.
 
     One Checkpointer per training process; call ``save``/``restore`` from one thread (the
@@ -229,6 +235,7 @@ class Checkpointer:
         stager: Stager | None = None,
         copy_threads: int = 4,
         raise_on_error: bool = False,
+        component_every: Mapping[str, int] | None = None,
         process_group: Any = None,
         register_limit_bytes: int | None = None,
     ) -> None:
@@ -286,6 +293,9 @@ class Checkpointer:
             raise_on_error=raise_on_error,
             register_limit_bytes=register_limit_bytes,
         )
+        if component_every:
+            self.saver.cadence = ComponentCadence(component_every)
+        self._component_steps: dict[str, int] = {}
         self._tiers: list[Tier] | None = None
         self.incarnation = ""
         """The incarnation opened by the last :meth:`restore` (``""`` before any)."""
@@ -488,7 +498,14 @@ class Checkpointer:
                 seconds=time.perf_counter() - t0,
                 skipped=notes,
                 state=tree,
+                component_steps=dict(self._component_steps),
             )
+            if self._component_steps:
+                log.warning(
+                    "strata: step %d holds components from earlier steps (own cadence): %s",
+                    plan.step,
+                    self._component_steps,
+                )
             log.warning(
                 "strata: restored step %d of job %s rank %d from the %s tier (%d bytes, %.3f s)",
                 plan.step,
@@ -614,6 +631,7 @@ class Checkpointer:
         with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
             m = lease.manifest
             assert m is not None
+            self._component_steps = dict(m.component_steps or {})
             verify = deferred and self.config.restore.verify and m.verified
             out = load_shard(
                 state,

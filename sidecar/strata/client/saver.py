@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from strata.client.cadence import ComponentCadence
 from strata.client.cuda_host import (
     CopyHandle,
     HostRegistry,
@@ -129,6 +130,9 @@ class Saver:
         """The stall of every successful save, seconds, in order."""
         self.last_saved_step: int | None = None
         self._unchanged = UnchangedTracker()
+        self.cadence: ComponentCadence | None = None
+        """Slow components (:mod:`strata.client.cadence`); set by the checkpointer."""
+        self._component_steps: dict[int, dict[str, int]] = {}
         self.overlap_wait_seconds: list[float] = []
         """Per :meth:`wait_copied` that found a copy in flight, how long it blocked, seconds."""
 
@@ -162,6 +166,10 @@ class Saver:
         collect = gc.isenabled()
         gc.disable()
         try:
+            if self.cadence is not None:
+                state, slow = self.cadence.apply(step, state)
+                if slow:
+                    self._component_steps[step] = slow
             if blocking:
                 nbytes = self._save(step, state)
             else:
@@ -241,6 +249,9 @@ class Saver:
             writer_id=self.writer_id,
             chunk_size=self.chunk_size,
         ).model_copy(update={"incarnation": self.incarnation})
+        slow = self._component_steps.pop(step, None)
+        if slow:
+            manifest = manifest.model_copy(update={"component_steps": slow})
         self.ram.commit_slot(self.job_id, step, self.rank, slot, manifest)
         snap = Snapshot(list(enc.live), versions, list(enc.sources))
         fut = self._bg.submit(self._checksum, step, manifest.created.isoformat(), snap)
@@ -421,8 +432,11 @@ class Saver:
             log.error("strata: checksum pass of step %d failed: %s", step, exc)
 
     def forget_unchanged(self) -> None:
-        """Start the "unchanged since" hint afresh (after a restore wrote the live tensors)."""
+        """Start the "unchanged since" hint (and the slow components' held copies) afresh,
+        after a restore wrote the live tensors."""
         self._unchanged = UnchangedTracker()
+        if self.cadence is not None:
+            self.cadence.forget()
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every background checksum pass submitted so far has finished."""

@@ -106,6 +106,9 @@ class Manifest(BaseModel):
     and size, no tensor version-counter bump). A HINT only, confirmed by CRC32C before any
     bytes are referenced instead of copied (issue 18); None: no hint."""
     refs: ChunkRefs | None = None
+    component_steps: dict[str, int] | None = None
+    """Components saved at their own cadence (issue 18): the step each one's bytes come from
+    (:mod:`strata.client.cadence`). None: every component is from ``step``."""
     components: list[str] | None = None
     """Archive-only shard (issue 18): it holds only these top-level components of the state
     (:mod:`strata.format.projection`); it is never used to resume training. None: everything."""
