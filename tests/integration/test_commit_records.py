@@ -97,3 +97,43 @@ def test_deleting_a_rank_uncommits_the_step_first(shm_dir: Path, tier: Tier) -> 
     tier.delete_step(JOB, 40, frozenset({1}))
     assert read_commit(tier, JOB, 40) is None
     assert not tier.list_steps(JOB)[40].has_commit
+
+
+def test_a_node_behind_the_job_never_promotes_over_a_newer_incarnation(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """This node's RAM still holds incarnation X (its trainer has not restored yet) while the
+    PVC already names a newer incarnation Y: the sidecar promotes nothing and removes nothing
+    there; once Y's record reaches this node's RAM it promotes Y's step."""
+    from strata.config import StrataConfig
+    from strata.format.incarnation import Incarnation
+    from strata.sidecar.promotion import PromotionEngine
+    from strata.tiers.records import write_incarnation
+
+    cfg = StrataConfig.parse(
+        {
+            "job_id": JOB,
+            "ram": {"path": str(shm_dir), "keep": 2},
+            "pvc": {"path": str(tmp_path / "pvc"), "every": {"steps": 10}, "keep": 2},
+            "writer_id": "node-a",
+        }
+    )
+    ram, pvc = RamTier(shm_dir, keep=2), PosixTier(tmp_path / "pvc")
+    x = Incarnation(job_id=JOB, id="20260101T000000000000Z-aaaaaaaa", world_size=1)
+    y = Incarnation(
+        job_id=JOB, id="20260102T000000000000Z-bbbbbbbb", parent=x.id, base_step=10, world_size=1
+    )
+    write_incarnation(ram, x)
+    write_incarnation(pvc, x)
+    write_incarnation(pvc, y)
+    m = write_ram_shard(ram, JOB, 20, 0, b"x" * 4000)
+    ram.write_manifest(JOB, 20, 0, m.model_copy(update={"incarnation": x.id}))
+    engine = PromotionEngine(cfg, ram, {"pvc": pvc})
+    engine.promote_once()
+    assert 20 not in pvc.list_steps(JOB)
+    write_incarnation(ram, y)  # this node's trainer restored: Y is current here too
+    m = write_ram_shard(ram, JOB, 30, 0, b"y" * 4000)
+    ram.write_manifest(JOB, 30, 0, m.model_copy(update={"incarnation": y.id}))
+    engine.promote_once()
+    c = read_commit(pvc, JOB, 30)
+    assert c is not None and c.incarnation == y.id

@@ -44,6 +44,10 @@ class TierProgress:
     """When this engine last placed shards in the tier (engine clock)."""
     last_maintenance: float | None = None
     first_seen: dict[int, float] = field(default_factory=dict)
+    behind: str | None = None
+    """A newer incarnation than this node's current one has a record in the tier (its id):
+    this node's RAM is behind the job (its trainer has not restored yet, or the job moved
+    elsewhere). Nothing is promoted, replaced or deleted in the tier until it catches up."""
     placed: dict[int, set[int]] = field(default_factory=dict)
     """step -> local ranks this engine has committed in the tier, step not yet globally committed."""
 

@@ -254,6 +254,21 @@ class PromotionEngine:
             return False
         progress.incarnation = self.world.incarnation
         progress.lineage = lin
+        newest = max(lin.records, default=None)
+        current = self.world.incarnation
+        was = progress.behind
+        progress.behind = (
+            newest if current is not None and newest is not None and newest > current else None
+        )
+        if progress.behind is not None and progress.behind != was:
+            log.warning(
+                "the %s tier names incarnation %s, newer than this node's %s: not promoting "
+                "there until this node's trainer restores",
+                name,
+                newest,
+                current,
+                extra={"event": "incarnation_behind", "tier": name},
+            )
         live = {s: c for s, c in commits.items() if lin.live(c.incarnation, s)}
         for s, c in commits.items():
             if s not in live:
@@ -297,7 +312,8 @@ class PromotionEngine:
             if self._stopping.is_set() and force_tier is None:
                 break
             with self._tier_locks[name]:
-                if not self.init_tier(name, ranks):
+                # Behind: re-read once this node's current incarnation changes (init_tier).
+                if not self.init_tier(name, ranks) or self._progress[name].behind:
                     continue
                 force = force_tier == name
                 # The tier's own committed steps and its interval pick which RAM step (see
