@@ -80,6 +80,13 @@ def test_archive_tier_keeps_weights_only_and_is_never_used_to_resume(
     optim_bytes = 2 * sum(p.numel() * 4 for p in t.adapters.parameters())
     assert first.data_nbytes <= full.data_nbytes - optim_bytes
     assert gcs.get_manifest(JOB, 40, 0).refs is not None  # and incremental there too
+    from strata.tiers.records import read_commit
+
+    for step in (20, 40):  # the step records say so too
+        rec = read_commit(gcs, JOB, step)
+        assert rec is not None and rec.archive_only
+    rec_pvc = read_commit(pvc, JOB, 40)
+    assert rec_pvc is not None and not rec_pvc.archive_only
 
     # Resume: the PVC (everything) serves; the archive is never chosen, even alone.
     fresh = LoraTrainer()

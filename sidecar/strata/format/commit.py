@@ -84,6 +84,10 @@ class StepCommit(BaseModel):
     """Who wrote the record (``<pod or host>/<pid>`` of the sidecar); for people, not logic."""
     created: datetime = Field(default_factory=lambda: datetime.now(UTC))
     shards: list[ShardRef]
+    archive_only: bool = False
+    """The shards keep only some components (an archive tier, issue 18): never resumed."""
+    component_steps: dict[str, int] | None = None
+    """Components saved at their own cadence: the step each comes from (issue 18)."""
 
     @model_validator(mode="after")
     def _every_rank_once(self) -> StepCommit:
@@ -204,6 +208,11 @@ def build_commit(
     extra = sorted(set(shards) - set(range(world)))
     if extra:
         raise CommitError(f"step {step} has ranks {extra[:8]} beyond world size {world}")
+    kept = {tuple(m.components) if m.components is not None else None for m in manifests}
+    if len(kept) != 1:
+        raise CommitError(
+            f"step {step} mixes archive-only and full shards ({sorted(map(str, kept))})"
+        )
     refs = [ShardRef.of(*shards[r]) for r in range(world)]
     return StepCommit(
         job_id=job_id,
@@ -212,4 +221,6 @@ def build_commit(
         world_size=world,
         writer_id=writer_id,
         shards=refs,
+        archive_only=kept != {None},
+        component_steps=shards[0][0].component_steps,
     )

@@ -126,6 +126,8 @@ def _global_commit(
     rank's shard is the committed one; else why not."""
     if commit is None:
         return "no global commit record (not every rank's shard of one incarnation is there)"
+    if getattr(commit, "archive_only", False):
+        return "archive-only (it keeps only some components; never used to resume training)"
     if commit.world_size != world_size:
         return (
             f"it was written with world size {commit.world_size}, this job runs with "
