@@ -247,3 +247,29 @@ def test_no_references_across_incarnations_or_to_later_steps(
     assert plan_refs(other, base.model_copy(update={"incarnation": "a"})) == []
     no_hint = full_manifest(full).model_copy(update={"unchanged_since": None})
     assert plan_refs(no_hint, base) == []
+
+
+def test_a_new_incarnation_writes_its_own_base(
+    shm_dir: Path, tmp_path: Path, gcs_emulator: GcsEmulator, gcs_bucket: str
+) -> None:
+    """After a restore (a new incarnation), the same promotion engine never references the
+    superseded incarnation's bytes: the first copy is full, later ones reference it."""
+    rig = Rig(shm_dir, tmp_path, gcs_emulator, gcs_bucket)
+    t = LoraTrainer()
+    with Checkpointer(rig.cfg, rank=0, world_size=1) as c:
+        run_steps(rig, c, t, [10, 20])
+        old = rig.pvc.get_manifest(JOB, 20, 0)
+        assert old.refs is not None and old.refs.base_step == 10
+        res = c.restore(t.state)  # opens a new incarnation resuming from step 20
+        assert res.step == 20 and c.incarnation and c.incarnation != old.incarnation
+        w = run_steps(rig, c, t, [30, 40])
+    for tier in (rig.pvc, rig.gcs):
+        m30 = tier.get_manifest(JOB, 30, 0)
+        m40 = tier.get_manifest(JOB, 40, 0)
+        assert m30.incarnation == m40.incarnation != old.incarnation
+        assert m30.refs is None  # never a reference into the old incarnation's step 10
+        assert m40.refs is not None and m40.refs.base_step == 30
+    fresh = LoraTrainer()
+    with Checkpointer(config(shm_dir / "ram-f", rig.pvc_dir, None), rank=0, world_size=1) as c2:
+        res = c2.restore(fresh.state)
+    assert res.step == 40 and same(fresh.weights(), w[40])
