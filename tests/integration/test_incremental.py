@@ -273,3 +273,20 @@ def test_a_new_incarnation_writes_its_own_base(
     with Checkpointer(config(shm_dir / "ram-f", rig.pvc_dir, None), rank=0, world_size=1) as c2:
         res = c2.restore(fresh.state)
     assert res.step == 40 and same(fresh.weights(), w[40])
+
+
+def test_a_restarted_sidecar_finds_the_base_in_the_tier(
+    shm_dir: Path, tmp_path: Path, gcs_emulator: GcsEmulator, gcs_bucket: str
+) -> None:
+    rig = Rig(shm_dir, tmp_path, gcs_emulator, gcs_bucket)
+    t = LoraTrainer()
+    with Checkpointer(rig.cfg, rank=0, world_size=1) as c:
+        run_steps(rig, c, t, [10])
+        # a new engine (the sidecar restarted): it remembers nothing, the tier tells it
+        rig.engine = PromotionEngine(
+            rig.cfg, rig.ram, {"pvc": rig.pvc, "gcs": rig.gcs}, on_event=rig.events.append
+        )
+        run_steps(rig, c, t, [20])
+    for tier in (rig.pvc, rig.gcs):
+        m = tier.get_manifest(JOB, 20, 0)
+        assert m.refs is not None and m.refs.base_step == 10

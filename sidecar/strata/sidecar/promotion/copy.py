@@ -74,6 +74,7 @@ class ShardCopier:
         self.bases: dict[tuple[TierName, int], int] = {}
         """(tier, rank) -> the newest full shard this copier committed there (the base that
         later incremental copies reference, issue 18)."""
+        self._looked: set[tuple[TierName, int]] = set()
         self.attempts: dict[tuple[TierName, int, int], tuple[int, float]] = {}
         """(tier, step, rank) -> (failed attempts, not before this clock time)."""
 
@@ -142,6 +143,23 @@ class ShardCopier:
             return current.created == manifest.created and current.writer_id == manifest.writer_id
         return _same(current, manifest)
 
+    def _base(self, name: TierName, dest: Tier, rank: int, step: int) -> int | None:
+        """The base for ``rank`` in ``dest``: the one this copier committed, else (once per
+        tier and rank, e.g. after the sidecar restarted) the newest full shard found there."""
+        key = (name, rank)
+        if key not in self.bases and key not in self._looked:
+            self._looked.add(key)
+            try:
+                steps = sorted((s for s in dest.list_steps(self.job_id) if s < step), reverse=True)
+                for s in steps[:4]:
+                    m = dest.get_manifest(self.job_id, s, rank)
+                    if m.refs is None and m.verified:
+                        self.bases[key] = s
+                        break
+            except TierError as exc:
+                log.info("no base found for rank %d in %s: %s", rank, name, exc)
+        return self.bases.get(key)
+
     def _holds_full(self, tier: Tier, step: int, rank: int, manifest: Manifest) -> bool:
         """The tier holds this shard as a full copy (its data file can be a copy source)."""
         try:
@@ -169,7 +187,7 @@ class ShardCopier:
         self, name: TierName, dest: Tier, step: int, rank: int, path: Path, m: Manifest
     ) -> int:
         on = self.incremental and self.incremental_tiers.get(name, True)
-        base = self.bases.get((name, rank)) if on else None
+        base = self._base(name, dest, rank, step) if on else None
         if base is not None and base < step:
             try:
                 base_m = dest.get_manifest(self.job_id, base, rank)
