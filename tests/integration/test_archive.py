@@ -111,6 +111,12 @@ def test_archive_tier_keeps_weights_only_and_is_never_used_to_resume(
     assert strata_cli(["verify", url, "--job", JOB, "-o", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)["copies"]
     assert {r["step"]: r["status"] for r in rows if r["rank"] is not None} == {20: "ok", 40: "ok"}
+    assert strata_cli(["list", url, "--job", JOB, "-o", "json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    listed = listed["steps"] if isinstance(listed, dict) else listed
+    by_step = {r["step"]: r for r in listed}
+    assert by_step[20]["archive_only"] == ["adapters", "base"]
+    assert by_step[40]["refs_base_steps"] == [20]
     out = tmp_path / "export"
     assert (
         strata_cli(
