@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal, Self
@@ -167,6 +168,12 @@ RULE_ARCHIVE_NOT_FIRST = Rule(
 RULE_COMPONENTS_UNIQUE = Rule(
     "self.all(c, self.exists_one(d, d == c))",
     "components must not repeat a name",
+)
+COMPONENT_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
+RULE_COMPONENT_KEYS = Rule(
+    f"self.all(k, size(k) <= 128 && k.matches('{COMPONENT_PATTERN}'))",
+    "componentEvery keys must be top-level state names (letters, digits, '_', '.', '-'; at "
+    "most 128 characters, not starting with a digit)",
 )
 RULE_REQUEST_NOT_ABOVE_LIMIT = Rule(REQUEST_NOT_ABOVE_LIMIT_RULE, REQUEST_ABOVE_LIMIT_MESSAGE)
 RULE_EXTENDED_NEEDS_LIMIT = Rule(EXTENDED_NEEDS_LIMIT_RULE, EXTENDED_NEEDS_LIMIT_MESSAGE)
@@ -449,6 +456,23 @@ class CheckpointPolicySpec(_Model):
     tiers: TiersSpec
     restore: RestoreSpec = RestoreSpec()
     sidecar: SidecarSpec = SidecarSpec()
+    component_every: (
+        Annotated[
+            dict[str, Annotated[int, Field(strict=True, ge=1, le=1_000_000_000)]],
+            Field(min_length=1, max_length=32, json_schema_extra=_rules(RULE_COMPONENT_KEYS)),
+        ]
+        | None
+    ) = None
+    """Top-level components of the saved state dict saved at their own cadence (e.g.
+    {ema: 100}): snapshotted every N steps and carried unchanged in between; each step's record
+    and the restore say from which step each comes."""
+
+    @model_validator(mode="after")
+    def _component_keys(self) -> CheckpointPolicySpec:
+        for k in self.component_every or {}:
+            if len(k) > 128 or not re.match(COMPONENT_PATTERN, k):
+                raise ValueError(RULE_COMPONENT_KEYS.message)
+        return self
 
     @model_validator(mode="after")
     def _order_configured(self) -> CheckpointPolicySpec:
@@ -645,5 +669,6 @@ def to_sidecar_config(
         ),
         report=ReportConfig(endpoint=report_endpoint, ca_path=report_ca_path),
         metrics_port=spec.sidecar.ports.metrics,
+        component_every=dict(spec.component_every) if spec.component_every else None,
         termination_grace_seconds=grace,
     )

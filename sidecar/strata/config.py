@@ -167,6 +167,9 @@ class StrataConfig(_Frozen):
     """The pod's terminationGracePeriodSeconds; the SIGTERM flush deadline is derived from it."""
     writer_id: str | None = None
     """Identity stamped into manifests written by this pod; default ``<pod name or host>``."""
+    component_every: dict[str, Annotated[int, Field(ge=1)]] | None = None
+    """Top-level components of a dict state saved at their own cadence (issue 18): name ->
+    steps between snapshots, carried in between (:mod:`strata.client.cadence`)."""
 
     @model_validator(mode="after")
     def _check_tiers(self) -> StrataConfig:

@@ -42,3 +42,12 @@ def test_projection_uses_the_codecs_tensor_tag() -> None:
     from strata.format import codec, projection
 
     assert projection.TENSOR_TAG == codec.TENSOR_TAG
+
+
+def test_component_cadence_reaches_the_client_config() -> None:
+    spec = parse_spec(PolicyBuilder().set("componentEvery", {"ema": 100}).spec())
+    cfg = api.to_sidecar_config(spec, "ns.job")
+    assert cfg.component_every == {"ema": 100}
+    assert StrataConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(ConfigError, match="component_every"):
+        StrataConfig.parse({"job_id": "ns.job", "component_every": {"ema": 0}})

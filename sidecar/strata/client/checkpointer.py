@@ -212,7 +212,7 @@ class Checkpointer:
     ``register_limit_bytes``: the most RAM-slot bytes page-locked with CUDA at once when the
     state holds CUDA tensors (None: only the driver's limits; :mod:`strata.client.cuda_host`).
     ``component_every``: top-level keys of a dict state saved at their own cadence (e.g.
-    ``{"ema": 100}``; :mod:`strata.client.cadence`).
+    ``{"ema": 100}``; :mod:`strata.client.cadence`; default ``config.component_every``).
     Raises :class:`strata.config.ConfigError` for a bad configuration.
 
     One Checkpointer per training process; call ``save``/``restore`` from one thread (the
@@ -293,8 +293,9 @@ class Checkpointer:
             raise_on_error=raise_on_error,
             register_limit_bytes=register_limit_bytes,
         )
-        if component_every:
-            self.saver.cadence = ComponentCadence(component_every)
+        every = component_every if component_every is not None else self.config.component_every
+        if every:
+            self.saver.cadence = ComponentCadence(every)
         self._component_steps: dict[str, int] = {}
         self._tiers: list[Tier] | None = None
         self.incarnation = ""
