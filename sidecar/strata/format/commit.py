@@ -63,6 +63,50 @@ class ShardRef(BaseModel):
         )
 
 
+class TensorChunk(BaseModel):
+    """Where one chunk of a sharded tensor's bytes lie: ``rank``'s shard, the slice it covers
+    (element offsets and lengths per dimension)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    rank: Annotated[int, Field(ge=0)]
+    offsets: list[Annotated[int, Field(ge=0)]]
+    lengths: list[Annotated[int, Field(ge=0)]]
+
+
+class TensorLayout(BaseModel):
+    """The global layout of one sharded tensor of the step (issue 13; ``path`` is its place in
+    the state tree, the key shards use in ``Manifest.sharded``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    path: str
+    dtype: str
+    global_shape: list[Annotated[int, Field(ge=0)]]
+    placements: str = ""
+    mesh_shape: list[int] = Field(default_factory=list)
+    chunks: list[TensorChunk]
+    """Every stored chunk (each replicated chunk once: its owner's), by rank then path order."""
+
+
+def tensor_layouts(manifests: list[Manifest]) -> list[TensorLayout]:
+    """The ``tensors`` of a commit record from the step's shard manifests (ranks in order)."""
+    out: dict[str, TensorLayout] = {}
+    for m in manifests:
+        for e in m.sharded:
+            lay = out.get(e.path)
+            if lay is None:
+                lay = out[e.path] = TensorLayout(
+                    path=e.path,
+                    dtype=e.dtype,
+                    global_shape=e.global_shape,
+                    placements=e.placements,
+                    mesh_shape=e.mesh_shape,
+                    chunks=[],
+                )
+            if e.tensor is not None:
+                lay.chunks.append(TensorChunk(rank=m.rank, offsets=e.offsets, lengths=e.lengths))
+    return list(out.values())
+
+
 def manifest_crc(manifest_raw: bytes) -> int:
     """CRC32C of a manifest object's stored bytes (what ``ShardRef.manifest_crc32c`` records)."""
     return int(google_crc32c.value(manifest_raw))
@@ -88,6 +132,9 @@ class StepCommit(BaseModel):
     """The shards keep only some components (an archive tier, issue 18): never resumed."""
     component_steps: dict[str, int] | None = None
     """Components saved at their own cadence: the step each comes from (issue 18)."""
+    tensors: list[TensorLayout] = Field(default_factory=list)
+    """Issue 13: the global layout of every sharded tensor (DTensors, declared-replicated
+    tensors) and which rank stores each chunk; empty for a state without them."""
 
     @model_validator(mode="after")
     def _every_rank_once(self) -> StepCommit:
@@ -223,4 +270,5 @@ def build_commit(
         shards=refs,
         archive_only=kept != {None},
         component_steps=shards[0][0].component_steps,
+        tensors=tensor_layouts([shards[r][0] for r in range(world)]),
     )
