@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -57,8 +57,9 @@ from strata.client.cadence import ComponentCadence
 from strata.client.cuda_host import holds_cuda
 from strata.client.loader import load_shard
 from strata.client.saver import Saver
+from strata.client.sharded import ShardedLoad, ShardReader, reshard_candidate
 from strata.config import StrataConfig
-from strata.errors import ConfigError, RestoreError, ShardCorrupt, StageError, TierError
+from strata.errors import CodecError, ConfigError, RestoreError, ShardCorrupt, StageError, TierError
 from strata.format import codec
 from strata.format.incarnation import Incarnation, new_incarnation_id
 from strata.protocol import ClientEvent, RestoreEvent
@@ -300,6 +301,7 @@ class Checkpointer:
         self._tiers: list[Tier] | None = None
         self.incarnation = ""
         """The incarnation opened by the last :meth:`restore` (``""`` before any)."""
+        self._sharded_load = ShardedLoad(self.rank, self.world_size, self.world_size)
         self._tier_notes: list[str] = []
 
     # -- tiers ----------------------------------------------------------------------------------
@@ -326,7 +328,13 @@ class Checkpointer:
         """Whether ``step`` is due for a RAM checkpoint (``ram.every``: steps and/or seconds)."""
         return self.saver.should_save(step)
 
-    def save(self, step: int, state: Any, blocking: bool = True) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        blocking: bool = True,
+        replicated: bool | Collection[str] | None = None,
+    ) -> bool:
         """Snapshot ``state`` as ``step`` into the RAM tier; True when committed there.
 
         Blocks only for the copy into a RAM slot (the stall, recorded in ``stall_seconds``).
@@ -337,8 +345,16 @@ class Checkpointer:
         when they complete; until :meth:`wait_copied` returns, do not change any tensor of
         ``state`` in place (optimizers in ``state`` wait by themselves before their step; a
         tensor changed anyway makes that step not committed). See :mod:`strata.client.saver`.
+
+        DTensors (FSDP2, tensor parallel, any mesh) are stored as this rank's local chunk; a
+        chunk held by several ranks is written once, by an owner every rank computes alike
+        (:mod:`strata.format.placement`). ``replicated``: plain tensors that are identical on
+        every rank (DDP), also written once: True (every plain tensor) or the top-level keys of
+        ``state`` holding them (``{"model", "optim"}``); see
+        :func:`strata.format.placement.replicated_rule`. Every rank must then save the same
+        tensors in the same order (as SPMD training does).
         """
-        return self.saver.save(step, state, blocking=blocking)
+        return self.saver.save(step, state, blocking=blocking, replicated=replicated)
 
     def wait_copied(self, timeout: float | None = None) -> bool | None:
         """Wait for the overlapped save in flight: True committed, False failed (see
@@ -350,7 +366,7 @@ class Checkpointer:
         so that no save pays for them. ``restore()`` does this in the background by itself;
         call it when training starts without a restore. Raises what slot allocation raises
         (:class:`strata.errors.TierFull`, ...) unless ``background``."""
-        enc = codec.encode(state)
+        enc = codec.encode(state, rank=self.rank, world_size=self.world_size)
         cuda = holds_cuda(enc)
         if background:
             self.saver.prepare_in_background(enc.data_nbytes, cuda)
@@ -431,6 +447,9 @@ class Checkpointer:
                 "cannot be seen, so only the PVC and GCS can serve a complete step; call "
                 "torch.distributed.init_process_group() before restore()"
             )
+        cand = self._gather(reshard_candidate(self._restore_tiers(), self.job_id, self.world_size))[
+            0
+        ]
         for _ in range(64):
             inv = self.stager.inventory(self.job_id, self.rank, self.world_size)
             gathered = self._gather({"inventory": inv.to_dict(), "incarnation": proposal})
@@ -444,6 +463,13 @@ class Checkpointer:
             plan = plan_restore(
                 invs, self.world_size, self.config.tiers_in_restore_order(), excluded
             )
+            if cand is not None and (plan is None or cand[0] > plan.step):
+                assert chosen is not None
+                resharded = self._reshard(state, cand[0], cand[1], notes, t0, chosen)
+                if resharded is not None:
+                    return resharded
+                cand = None
+                continue
             if plan is None:
                 break
             try:
@@ -490,6 +516,7 @@ class Checkpointer:
                 continue
             assert chosen is not None
             self._open_incarnation(chosen, plan.incarnation or None, plan.step, notes)
+            self._finish_sharded(self._sharded_load, plan.step, notes)
             result = RestoreResult(
                 step=plan.step,
                 tiers={r: t for r, t in enumerate(outcomes)}
@@ -627,7 +654,10 @@ class Checkpointer:
     def _load(self, state: Any, step: int, tier: str, notes: list[str]) -> Any:
         """Load this rank's staged RAM shard of ``step`` into ``state`` (one pass: verify while
         copying when the stager left a RAM hit unverified; :mod:`strata.client.loader`).
-        Raises :class:`ShardCorrupt` (the live state is then partly overwritten)."""
+        Sharded tensors not in this shard come from their owners or the tiers
+        (:meth:`_finish_sharded`, called by restore once every rank loaded). Raises :class:`ShardCorrupt` (the live state is then partly
+        overwritten) and :class:`RestoreError` (some rank could not load its sharded tensors)."""
+        load = ShardedLoad(self.rank, self.world_size, self.world_size)
         deferred = tier == self.ram.name and getattr(self.stager, "defers_in_place_verify", False)
         with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
             m = lease.manifest
@@ -642,6 +672,7 @@ class Checkpointer:
                 workers=self.saver.copy_threads,
                 verify=verify,
                 device_source=lambda: self.saver.host_view(lease.path),
+                resolve=load.resolve,
             )
             if deferred and not m.verified and m.data_nbytes:
                 self.ram.update_checksums(
@@ -652,7 +683,99 @@ class Checkpointer:
                     "before the checksum pass); checksummed now, not verified against an "
                     "earlier record"
                 )
-            return out.tree
+        self._sharded_load = load
+        return out.tree
+
+    def _finish_sharded(self, load: ShardedLoad, step: int, notes: list[str]) -> None:
+        """Replicas from their owners (point to point), then other slices from the tiers; every
+        rank learns whether every rank succeeded (RestoreError otherwise)."""
+        err = None
+        try:
+            load.exchange(self.process_group)
+            if load.pending:
+                reader = ShardReader(self._restore_tiers(), self.job_id, step)
+                try:
+                    load.fill_from_tiers(reader)
+                finally:
+                    notes.extend(reader.notes)
+                    reader.close()
+        except (RestoreError, CodecError, TierError, OSError) as exc:
+            err = exc
+        errors = self._gather(None if err is None else f"rank {self.rank}: {err}")
+        if err is not None:
+            raise err
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise RestoreError(f"step {step}: sharded tensors could not be loaded: {failed[0]}")
+
+    def _reshard(
+        self,
+        state: Any,
+        step: int,
+        saved_world: int,
+        notes: list[str],
+        t0: float,
+        chosen: dict[str, str],
+    ) -> RestoreResult | None:
+        """Restore ``step``, written by ``saved_world`` ranks, at this world size (resharding).
+
+        Rank r loads its per-rank values (non-sharded tensors, RNG, dataloader state) from saved
+        rank r when that rank existed, else from saved rank ``r % saved_world`` (noted); every
+        sharded tensor gets the slice this rank holds now from the saved owners' shards.
+        Returns None (noted) when some rank could not load it.
+        """
+        src = self.rank if self.rank < saved_world else self.rank % saved_world
+        reader = ShardReader(self._restore_tiers(), self.job_id, step)
+        load = ShardedLoad(self.rank, self.world_size, saved_world)
+        err = None
+        tree: Any = None
+        parent = ""
+        try:
+            m = reader.manifest(src)
+            parent = m.incarnation
+            data = reader.read(src, 0, m.data_nbytes)
+            tree = codec.load_into(
+                state, m, data, where=f"step {step} rank {src}", resolve=load.resolve
+            )
+            load.fill_from_tiers(reader)
+        except (RestoreError, CodecError, TierError, OSError) as exc:
+            err = f"rank {self.rank}: {exc}"
+        finally:
+            notes.extend(n for n in reader.notes if n not in notes)
+            reader.close()
+        errors = [e for e in self._gather(err) if e is not None]
+        if errors:
+            note = f"step {step} (world size {saved_world}) could not be resharded: {errors[0]}"
+            log.warning("strata restore: %s", note)
+            notes.append(note)
+            return None
+        if src != self.rank:
+            notes.append(
+                f"rank {self.rank} did not exist in step {step} (world size {saved_world}): its "
+                f"per-rank values (non-sharded tensors, RNG, dataloader state) are rank {src}'s"
+            )
+        notes.append(f"step {step} resharded from world size {saved_world} to {self.world_size}")
+        self._open_incarnation(chosen, parent or None, step, notes)
+        result = RestoreResult(
+            step=step,
+            tiers={self.rank: "reshard"},
+            nbytes=reader.nbytes_read,
+            seconds=time.perf_counter() - t0,
+            skipped=notes,
+            state=tree,
+        )
+        log.warning(
+            "strata: restored step %d of job %s rank %d by resharding from world size %d "
+            "(%d bytes read, %.3f s)",
+            step,
+            self.job_id,
+            self.rank,
+            saved_world,
+            reader.nbytes_read,
+            result.seconds,
+        )
+        self._report_restore(result, "restored")
+        return result
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -263,6 +263,7 @@ def load_shard(
     workers: int,
     verify: bool,
     device_source: Callable[[], torch.Tensor | None] | None = None,
+    resolve: codec.Resolver | None = None,
 ) -> LoadOutcome:
     """Load the shard at ``path`` (its data file, ``manifest.data_nbytes`` bytes) into ``state``.
 
@@ -271,6 +272,7 @@ def load_shard(
     the same bytes, page-locked (the RAM slot registered with CUDA), from which CUDA tensors are
     copied host-to-device while the CPU checksums; None, or no ``device_source``: CUDA tensors
     are copied by the codec (pageable).
+    ``resolve``: loads sharded tensors (:data:`strata.format.codec.Resolver`).
     ``verify``: compare every chunk's CRC32C with the manifest (which must have them); when
     False the CRCs are still computed and returned. Raises :class:`ShardCorrupt` (a CRC32C
     mismatch, a truncated file: the live state is then partly overwritten, see the module
@@ -279,7 +281,7 @@ def load_shard(
     """
     n = manifest.data_nbytes
     if n == 0:
-        tree = codec.load_into(state, manifest, bytearray(), where=str(path))
+        tree = codec.load_into(state, manifest, bytearray(), where=str(path), resolve=resolve)
         return LoadOutcome(tree, [], 0, 0)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -293,7 +295,13 @@ def load_shard(
         try:
             one = _OnePass(manifest, f.fileno(), path, pool, workers, device_source)
             tree = codec.load_into(
-                state, manifest, private, where=str(path), sink=one.sink, flush=one.flush
+                state,
+                manifest,
+                private,
+                where=str(path),
+                sink=one.sink,
+                flush=one.flush,
+                resolve=resolve,
             )
             crcs, whole = one.finish()
         finally:

@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -147,7 +147,13 @@ class Saver:
             self._last_save_time is None or time.monotonic() - self._last_save_time >= every.seconds
         )
 
-    def save(self, step: int, state: Any, blocking: bool = True) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        blocking: bool = True,
+        replicated: bool | Collection[str] | None = None,
+    ) -> bool:
         """Snapshot ``state`` as ``step`` into the RAM tier.
 
         ``blocking``: True returns when the step is committed in RAM (True) or the save failed
@@ -171,9 +177,9 @@ class Saver:
                 if slow:
                     self._component_steps[step] = slow
             if blocking:
-                nbytes = self._save(step, state)
+                nbytes = self._save(step, state, replicated)
             else:
-                self._enqueue(step, state, t0)
+                self._enqueue(step, state, t0, replicated)
                 nbytes = 0
         except Exception as exc:
             self._failed(step, exc)
@@ -223,8 +229,17 @@ class Saver:
             self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         return self._streams[device]
 
-    def _save(self, step: int, state: Any) -> int:
-        enc = codec.encode(state, cache=self._enc_cache)
+    def _encode(self, state: Any, replicated: bool | Collection[str] | None) -> codec.EncodedState:
+        return codec.encode(
+            state,
+            cache=self._enc_cache,
+            rank=self.rank,
+            world_size=self.world_size,
+            replicated=replicated,
+        )
+
+    def _save(self, step: int, state: Any, replicated: bool | Collection[str] | None) -> int:
+        enc = self._encode(state, replicated)
         stream = self._stream(enc)
         with SlotWriteLock.acquire(
             self.slot_provider, self.job_id, self.rank, enc.data_nbytes
@@ -260,8 +275,10 @@ class Saver:
 
     # -- overlapped mode ----------------------------------------------------------------------
 
-    def _enqueue(self, step: int, state: Any, t0: float) -> None:
-        enc = codec.encode(state, cache=self._enc_cache)
+    def _enqueue(
+        self, step: int, state: Any, t0: float, replicated: bool | Collection[str] | None
+    ) -> None:
+        enc = self._encode(state, replicated)
         versions = [_version(t) for t in enc.live]
         stream = self._stream(enc)
         lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)

@@ -25,6 +25,7 @@ bytes / bytearray         ``{"__bytes__": "<base64>"}``
 complex                   ``{"__complex__": [re, im]}``
 torch dtype/Size/device   ``{"__dtype__": "bfloat16"}``, ``{"__size__": [2, 3]}``, ``{"__device__"}``
 numpy ndarray / scalar    ``{"__ndarray__": {"dtype", "shape", "data": base64}}`` / ``__npscalar__``
+DTensor / replicated      ``{"__sharded__": i}`` into ``Manifest.sharded`` (strata.format.placement)
 ``state_dict()`` owner    its ``state_dict()`` (nn.Module, Optimizer, LR scheduler, ...)
 ========================  ==================================================================
 
@@ -42,8 +43,9 @@ Parameters). :func:`load_into` copies saved tensors *in place* into the live sta
 ``load_state_dict`` of live ``state_dict()`` owners, and returns the loaded tree.
 
 Limits: tensors on non-CPU devices are copied to the CPU data object and loaded into live tensors
-on any device; sparse, quantized, meta and tensor-subclass (DTensor, ...) tensors are refused with
-a TypeError saying what to convert them to; conjugate/negative-bit views are resolved first (they
+on any device; DTensors (and tensors declared replicated) become ``{"__sharded__": i}`` nodes:
+this rank's chunk plus its global placement (:mod:`strata.format.placement`); sparse, quantized,
+meta and other tensor-subclass tensors are refused with a TypeError saying what to convert them to; conjugate/negative-bit views are resolved first (they
 no longer share storage after a restore).
 
 Size (about 700 lines): encoding and decoding are kept in one module on purpose: every tag above
@@ -59,7 +61,7 @@ import ctypes
 import math
 import mmap
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,8 +69,16 @@ from typing import Any
 import torch
 
 from strata.errors import CodecError
+from strata.format import placement
 from strata.format.encode_cache import EncodeCache, _Cached
-from strata.format.manifest import ALIGN, DEFAULT_CHUNK_SIZE, Manifest, StorageEntry, TensorEntry
+from strata.format.manifest import (
+    ALIGN,
+    DEFAULT_CHUNK_SIZE,
+    Manifest,
+    ShardedEntry,
+    StorageEntry,
+    TensorEntry,
+)
 
 TENSOR_TAG = "__tensor__"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -124,6 +134,8 @@ class EncodedState:
     data_nbytes: int
     live: list[torch.Tensor] = field(default_factory=list)
     """The tensors encoded (their ``_version`` counters tell whether one changed since)."""
+    sharded: list[ShardedEntry] = field(default_factory=list)
+    """Sharded tensors (:mod:`strata.format.placement`)."""
 
     def manifest(
         self,
@@ -151,6 +163,7 @@ class EncodedState:
             chunk_size=chunk_size,
             chunk_crc32c=chunk_crc32c,
             crc32c=crc32c,
+            sharded=self.sharded,
         )
 
 
@@ -165,8 +178,18 @@ class _Encoder:
     nbytes: int = 0
     on_path: set[int] = field(default_factory=set)
     cache: EncodeCache | None = None
+    rank: int = 0
+    world_size: int = 1
+    replicated: Callable[[str], bool] | None = None
+    sharded: list[ShardedEntry] = field(default_factory=list)
+    by_sharded: dict[int, int] = field(default_factory=dict)
+    owners: placement.OwnerChooser = field(default_factory=placement.OwnerChooser)
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
+        if placement.is_dtensor(t) or (
+            self.world_size > 1 and self.replicated is not None and self.replicated(path)
+        ):
+            return self._sharded(t, path)
         idx = self.by_tensor.get(id(t))
         if idx is None:
             hit = self.cache.old.get(id(t)) if self.cache is not None else None
@@ -182,6 +205,41 @@ class _Encoder:
         if type(t) is torch.nn.Parameter:
             node["param"] = True
         return node
+
+    def _sharded(self, t: torch.Tensor, path: str) -> dict[str, Any]:
+        """A DTensor or declared-replicated tensor: this rank's chunk, written only by its owner."""
+        idx = self.by_sharded.get(id(t))
+        if idx is None:
+            if placement.is_dtensor(t):
+                layout = placement.dtensor_layout(t, self.rank, path)
+            else:
+                layout = placement.replicated_layout(t, self.world_size)
+            owner = self.owners.owners(layout).get(layout.region, self.rank)
+            tidx = None
+            if owner == self.rank and placement.region_numel(layout.region[1]) > 0:
+                local = layout.local.detach()
+                tidx = self._add_tensor(local, path)
+                self.keep_alive.append(local)
+            idx = len(self.sharded)
+            self.sharded.append(
+                ShardedEntry(
+                    path=path,
+                    dtype=_dtype_name(t.dtype),
+                    global_shape=list(layout.global_shape),
+                    offsets=list(layout.region[0]),
+                    lengths=list(layout.region[1]),
+                    owner=owner,
+                    tensor=tidx,
+                    mesh=layout.mesh,
+                    mesh_shape=layout.mesh_shape,
+                    placements=layout.placements,
+                    param=isinstance(t, torch.nn.Parameter),
+                    requires_grad=t.requires_grad,
+                )
+            )
+            self.by_sharded[id(t)] = idx
+            self.keep_alive.append(t)
+        return {placement.SHARDED_TAG: idx}
 
     def _add_tensor(self, t: torch.Tensor, path: str) -> int:
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
@@ -384,14 +442,31 @@ def _is_stateful(obj: Any) -> bool:
     )
 
 
-def encode(state: Any, root: str = "state", cache: EncodeCache | None = None) -> EncodedState:
+def encode(
+    state: Any,
+    root: str = "state",
+    cache: EncodeCache | None = None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    replicated: bool | Collection[str] | None = None,
+) -> EncodedState:
     """Split ``state`` into JSON and storages (nothing is copied yet; see :func:`write_data`).
 
+    ``rank``/``world_size``: this rank's identity, for DTensors and for the tensors declared
+    ``replicated`` (:func:`strata.format.placement.replicated_rule`): each rank keeps only its
+    local chunk, and a chunk held by several ranks is stored only by its owner
+    (:mod:`strata.format.placement`).
     Raises ``TypeError`` naming the path (``root[...]...``) of the first unsupported value.
     The returned sources alias the live tensors: copy them (:func:`write_data`) before the
     training loop mutates them. ``cache``: see :class:`EncodeCache`.
     """
-    enc = _Encoder(cache=cache)
+    enc = _Encoder(
+        cache=cache,
+        rank=rank,
+        world_size=world_size,
+        replicated=placement.replicated_rule(replicated, root),
+    )
     if cache is not None:
         cache.new = {}
     try:
@@ -406,6 +481,7 @@ def encode(state: Any, root: str = "state", cache: EncodeCache | None = None) ->
         sources=enc.sources,
         data_nbytes=enc.nbytes,
         live=enc.keep_alive,
+        sharded=enc.sharded,
     )
 
 
@@ -536,8 +612,15 @@ def dumps(state: Any) -> tuple[EncodedState, bytearray]:
 class _Decoder:
     """Decodes one manifest's tree against one data buffer."""
 
-    def __init__(self, manifest: Manifest, data: Buffer | bytes | torch.Tensor, where: str) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        data: Buffer | bytes | torch.Tensor,
+        where: str,
+        resolve: Resolver | None = None,
+    ) -> None:
         self.m = manifest
+        self.resolve = resolve
         self.where = where
         if isinstance(data, bytes):
             data = bytearray(data)
@@ -614,6 +697,14 @@ class _Decoder:
         self._new[idx] = t
         return t
 
+    def sharded_entry(self, idx: int) -> ShardedEntry:
+        if not 0 <= idx < len(self.m.sharded):
+            raise CodecError(
+                f"{self.where}: tree refers to sharded tensor {idx}, manifest has "
+                f"{len(self.m.sharded)}"
+            )
+        return self.m.sharded[idx]
+
     # tree --------------------------------------------------------------------------------------
     def value(self, node: Any, path: str) -> Any:
         if node is None or isinstance(node, (bool, int, float, str)):
@@ -629,6 +720,11 @@ class _Decoder:
         try:
             if tag == TENSOR_TAG:
                 return self.new(int(arg), bool(node.get("param")))
+            if tag == placement.SHARDED_TAG:
+                entry = self.sharded_entry(int(arg))
+                if entry.tensor is None:
+                    return None
+                return self.new(entry.tensor, entry.param)
             if tag == "__float__":
                 return float(arg)
             if tag == "__int__":
@@ -714,6 +810,11 @@ def load(manifest: Manifest, data: Buffer | bytes | torch.Tensor, where: str = "
     return dec.value(manifest.tree, "state")
 
 
+Resolver = Callable[[ShardedEntry, Any, "torch.Tensor | None", str], Any]
+"""Loads a sharded tensor: ``(entry, live value, this shard's chunk view or None, path)`` ->
+the value to put in the tree (the live tensor once filled, or a promise to fill it)."""
+
+
 def load_into(
     state: Any,
     manifest: Manifest,
@@ -722,6 +823,7 @@ def load_into(
     *,
     sink: TensorSink | None = None,
     flush: Callable[[], None] | None = None,
+    resolve: Resolver | None = None,
 ) -> Any:
     """Load the saved tree into the live ``state`` in place; return the loaded tree.
 
@@ -738,9 +840,13 @@ def load_into(
     - A live object with ``load_state_dict`` gets ``load_state_dict(<loaded state_dict>)``.
     - Anything else (or a missing live counterpart) is taken from the checkpoint (new tensors).
 
+    - A sharded tensor (``{"__sharded__": i}``, :mod:`strata.format.placement`) goes to
+      ``resolve`` (the client's resharding restore, :mod:`strata.client.sharded`); without one
+      it loads as this shard's chunk (None where another rank stored the bytes).
+
     The returned tree holds the live objects where they were updated in place.
     """
-    dec = _Decoder(manifest, data, where)
+    dec = _Decoder(manifest, data, where, resolve)
     dec.sink, dec.flush = sink, flush
     with torch.no_grad():
         return _into(dec, manifest.tree, state, "state")
@@ -755,6 +861,10 @@ def _into(dec: _Decoder, node: Any, live: Any, path: str) -> Any:
         return live
     if isinstance(node, dict) and node:
         tag = next(iter(node))
+        if tag == placement.SHARDED_TAG and dec.resolve is not None:
+            entry = dec.sharded_entry(int(node[tag]))
+            chunk = None if entry.tensor is None else dec.view(entry.tensor)
+            return dec.resolve(entry, live, chunk, path)
         if tag == TENSOR_TAG and isinstance(live, torch.Tensor):
             idx = int(node[TENSOR_TAG])
             if dec.sink is not None:

@@ -75,6 +75,34 @@ class ChunkRefs(BaseModel):
     logical_crc32c: int
 
 
+class ShardedEntry(BaseModel):
+    """One rank's view of one sharded tensor (element units; :mod:`strata.format.placement`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    path: str
+    """The tensor's path in the state tree (``state['model']['w']``): its global key."""
+    dtype: str
+    global_shape: list[Annotated[int, Field(ge=0)]]
+    offsets: list[Annotated[int, Field(ge=0)]]
+    lengths: list[Annotated[int, Field(ge=0)]]
+    owner: Annotated[int, Field(ge=0)]
+    """The rank whose shard holds this chunk's bytes."""
+    tensor: Annotated[int, Field(ge=0)] | None = None
+    """Index into ``Manifest.tensors`` when this rank is the owner, else None (a reference)."""
+    mesh: list[int] = Field(default_factory=list)
+    """Global ranks of the device mesh, flattened row-major ([] for a plain replicated tensor:
+    every rank of the world)."""
+    mesh_shape: list[int] = Field(default_factory=list)
+    placements: str = ""
+    """``repr`` of the placements (``(Shard(dim=0), Replicate())``; "" for a plain tensor)."""
+    param: bool = False
+    requires_grad: bool = False
+
+    @property
+    def region(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return tuple(self.offsets), tuple(self.lengths)
+
+
 class Manifest(BaseModel):
     """The commit record of rank ``rank``'s shard of step ``step`` of job ``job_id``."""
 
@@ -113,6 +141,9 @@ class Manifest(BaseModel):
     """Archive-only shard (issue 18): it holds only these top-level components of the state
     (:mod:`strata.format.projection`); it is never used to resume training. None: everything."""
     """Set only on an incremental copy in a durable tier (never in RAM); see :class:`ChunkRefs`."""
+    sharded: list[ShardedEntry] = Field(default_factory=list)
+    """Sharded tensors (DTensors, declared-replicated tensors): tree nodes ``{"__sharded__": i}``
+    (:mod:`strata.format.placement`); empty for a state without them."""
 
     def check_identity(self, job_id: str, step: int, rank: int, world_size: int | None) -> None:
         """Raise :class:`ManifestError` when this manifest is not the shard that was asked for."""

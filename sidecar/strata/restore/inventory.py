@@ -98,7 +98,8 @@ def collect_inventory(
             elif entry.world_size != world_size:
                 notes.append(
                     f"{tier.name}: step {step} was written with world size {entry.world_size}, "
-                    f"this job runs with {world_size} (resharding is not supported); skipped"
+                    f"this job runs with {world_size}; restored only by resharding (the newest "
+                    "step complete in a shared tier)"
                 )
             else:
                 c[step] = entry.committed_ranks

@@ -1,0 +1,296 @@
+"""The DCP ``StorageWriter`` / ``StorageReader`` over Strata's tiers (see :mod:`strata.dcp`)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader as _DcpReader
+from torch.distributed.checkpoint.storage import StorageWriter as _DcpWriter
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from strata.client.checkpointer import Checkpointer
+from strata.client.sharded import ShardReader
+from strata.errors import RestoreError, TierError
+from strata.format.codec import TENSOR_TAG, dtype_from_name
+from strata.format.manifest import Manifest
+
+KEY = "dcp"
+"""The one key of the state tree a DCP shard holds."""
+
+
+def _step_of(checkpoint_id: str | os.PathLike[str] | None, default: int | None) -> int | None:
+    if checkpoint_id is None:
+        return default
+    text = os.fspath(checkpoint_id)
+    if not text.isdigit():
+        raise ValueError(
+            f"a Strata DCP checkpoint_id is a step number (e.g. '3'), got {text!r}; pass "
+            "step= to the StorageWriter/StorageReader instead"
+        )
+    return int(text)
+
+
+class _Backed:
+    def __init__(self, checkpointer: Checkpointer | None, settings: dict[str, Any]) -> None:
+        self._ckpt = checkpointer
+        self._settings = settings
+        self._own = checkpointer is None
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The Checkpointer (built on first use, when torch.distributed gives the identity)."""
+        if self._ckpt is None:
+            self._ckpt = Checkpointer(**self._settings)
+        return self._ckpt
+
+    def close(self) -> None:
+        """Close a Checkpointer this object built (waits for background checksums)."""
+        if self._own and self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+
+
+class StorageWriter(_Backed, _DcpWriter):
+    """DCP storage writer: ``dcp.save`` / ``dcp.async_save`` into Strata step ``step``.
+
+    ``step``: the Strata step (or pass ``checkpoint_id="3"`` to ``dcp.save``). ``checkpointer``:
+    an existing :class:`strata.Checkpointer`; otherwise ``settings`` (the Checkpointer's keywords:
+    ``job_id``, ``ram_dir``, ``pvc_dir``, ``config``, ...) build one. ``write_data`` blocks for
+    the copy into the RAM slot and the checksum pass (dcp.save is a blocking call; use
+    ``dcp.async_save`` to hide it). Raises RuntimeError with the Checkpointer's error when the
+    save fails.
+    """
+
+    def __init__(
+        self, step: int | None = None, *, checkpointer: Checkpointer | None = None, **settings: Any
+    ) -> None:
+        _Backed.__init__(self, checkpointer, settings)
+        self.step = step
+        self.is_coordinator = False
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.step = _step_of(checkpoint_id, self.step)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if self.step is None:
+            raise ValueError("strata.dcp.StorageWriter needs step= (or checkpoint_id='<step>')")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assert self.step is not None
+        items: list[dict[str, Any]] = []
+        results: list[WriteResult] = []
+        ckpt = self.checkpointer
+        for i, item in enumerate(plan.items):
+            data = planner.resolve_data(item)
+            entry: dict[str, Any] = {"fqn": item.index.fqn, "kind": "bytes"}
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                entry["data"] = raw
+                size = len(raw)
+            else:
+                td = item.tensor_data
+                assert td is not None and isinstance(data, torch.Tensor)
+                t = data.detach()
+                entry.update(
+                    kind="tensor",
+                    offset=list(item.index.offset or []),
+                    size=list(td.size),
+                    chunk_offsets=list(td.chunk.offsets),
+                    chunk_sizes=list(td.chunk.sizes),
+                    dtype=str(td.properties.dtype).removeprefix("torch."),
+                    data=t,
+                )
+                size = t.numel() * t.element_size()
+            items.append(entry)
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=size,
+                    storage_data={"rank": ckpt.rank, "item": i},
+                )
+            )
+        if not ckpt.save(self.step, {KEY: items}):
+            raise RuntimeError(f"strata: DCP save of step {self.step} failed: {ckpt.last_error}")
+        ckpt.wait()
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Nothing to write: the readers rebuild DCP's metadata from the shard manifests."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return os.fspath(checkpoint_id).isdigit()
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=None if self.step is None else str(self.step))
+
+
+class StorageReader(_Backed, _DcpReader):
+    """DCP storage reader: ``dcp.load`` from Strata step ``step`` (None: the newest readable).
+
+    Same keywords as :class:`StorageWriter`. Raises :class:`strata.errors.RestoreError` when no
+    step can be read (naming what was searched) or a shard cannot be read verified.
+    """
+
+    def __init__(
+        self, step: int | None = None, *, checkpointer: Checkpointer | None = None, **settings: Any
+    ) -> None:
+        _Backed.__init__(self, checkpointer, settings)
+        self.step = step
+        self._reader: ShardReader | None = None
+        self._tensors: dict[tuple[int, int], torch.Tensor] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.step = _step_of(checkpoint_id, self.step)
+        self._tensors.clear()
+
+    def _choose_step(self) -> int:
+        ckpt = self.checkpointer
+        ckpt.wait()
+        best: int | None = None
+        for tier in ckpt._restore_tiers():
+            try:
+                listing = tier.list_steps(ckpt.job_id)
+            except (TierError, OSError):
+                continue
+            for step, entry in listing.items():
+                if entry.complete and (best is None or step > best):
+                    best = step
+        if best is None:
+            raise RestoreError(
+                f"no complete DCP step of job {ckpt.job_id!r} in any tier this rank can read "
+                f"({', '.join(t.name for t in ckpt._restore_tiers())})"
+            )
+        return best
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.step is None:
+            self.step = self._choose_step()
+        ckpt = self.checkpointer
+        self._reader = reader = ShardReader(ckpt._restore_tiers(), ckpt.job_id, self.step)
+        world = reader.manifest(0).world_size
+        tensors: dict[str, TensorStorageMetadata] = {}
+        md: dict[str, Any] = {}
+        storage: dict[MetadataIndex, tuple[int, int]] = {}
+        for rank in range(world):
+            for i, e in enumerate(_items(reader.manifest(rank))):
+                fqn = e["fqn"]
+                if e["kind"] == "bytes":
+                    md[fqn] = BytesStorageMetadata()
+                    storage[MetadataIndex(fqn)] = (rank, i)
+                    continue
+                tsm = tensors.get(fqn)
+                if tsm is None:
+                    props = TensorProperties(dtype=dtype_from_name(e["dtype"], fqn))
+                    tsm = TensorStorageMetadata(props, torch.Size(e["size"]), [])
+                    tensors[fqn] = md[fqn] = tsm
+                tsm.chunks.append(
+                    ChunkStorageMetadata(
+                        torch.Size(e["chunk_offsets"]), torch.Size(e["chunk_sizes"])
+                    )
+                )
+                storage[MetadataIndex(fqn, torch.Size(e["offset"]))] = (rank, i)
+        return Metadata(
+            state_dict_metadata=md,
+            storage_data=storage,
+            storage_meta=StorageMeta(checkpoint_id=str(self.step)),
+        )
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data: dict[MetadataIndex, tuple[int, int]] = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        reader = self._reader
+        assert reader is not None, "read_metadata() first"
+        try:
+            for req in plan.items:
+                rank, i = self.storage_data[req.storage_index]
+                m = reader.manifest(rank)
+                data_node = _items(m)[i]["data"]
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(_bytes(data_node)))
+                    continue
+                src = self._tensor(rank, m, int(data_node[TENSOR_TAG]), req.storage_index.fqn)
+                for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                    src = src.narrow(d, o, n)
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(src)
+                planner.commit_tensor(req, target)
+        finally:
+            self._tensors.clear()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _tensor(self, rank: int, m: Manifest, idx: int, where: str) -> torch.Tensor:
+        key = (rank, idx)
+        if key not in self._tensors:
+            assert self._reader is not None
+            self._tensors[key] = self._reader.tensor(rank, m, idx, where)
+        return self._tensors[key]
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        super().close()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return os.fspath(checkpoint_id).isdigit()
+
+
+def _items(m: Manifest) -> list[dict[str, Any]]:
+    tree = m.tree
+    if not isinstance(tree, dict) or not isinstance(tree.get(KEY), list):
+        raise RestoreError(
+            f"step {m.step} rank {m.rank} was not written by strata.dcp.StorageWriter (no "
+            f"{KEY!r} list in its state); load it with Checkpointer.restore"
+        )
+    items: list[dict[str, Any]] = tree[KEY]
+    return items
+
+
+def _bytes(node: Any) -> bytes:
+    if isinstance(node, dict) and "__bytes__" in node:
+        return base64.b64decode(node["__bytes__"])
+    raise RestoreError(f"a DCP bytes item is stored as {type(node).__name__}, not bytes")
