@@ -11,7 +11,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
 .PHONY: help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
-        manifests manifests-check bench bench-smoke tools cluster-up cluster-down scale clean
+        manifests manifests-check bench bench-sharded bench-smoke tools cluster-up cluster-down scale clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -94,6 +94,9 @@ scale: $(STAMP) tools ## scale check, not in `make test`: 1,000 kwok nodes, a 1,
 
 bench: $(STAMP) ## benchmarks with side-by-side ratios -> bench/results/
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+bench-sharded: $(STAMP) ## sharded DTensor workload over 4 CPU ranks (issue 13) -> bench/results/sharded.json
+	$(BIN)/python -m bench.sharded $(BENCH_ARGS)
 
 clean: ## remove .venv and caches (not the tool cache in ~/.cache/strata)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .strata-run

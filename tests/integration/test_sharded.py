@@ -259,3 +259,19 @@ def test_kill_one_rank_mid_save_leaves_the_step_incomplete(shm_dir: Path, tmp_pa
     got = run("restore", "2", 0, shm_dir, tmp_path / "o4", pvc=pvc)
     assert [r["step"] for r in got] == [5, 5]
     assert all(all(r["equal"].values()) for r in got)
+
+
+def test_four_ranks_to_two_from_gcs_only(
+    shm_dir: Path, tmp_path: Path, gcs_emulator: Any, gcs_bucket: str
+) -> None:
+    """The step is only in GCS (no PVC, the new ranks' RAM is empty): resharded from GCS."""
+    from strata.tiers.gcs import GcsTier
+
+    run("save", "4", 21, shm_dir / "old", tmp_path / "o")
+    with GcsTier(gcs_emulator.tier_config(gcs_bucket), writer_id="test") as gcs:
+        promote(shm_dir / "old", 4, 21, gcs)
+    env = {"STRATA_GCS_BUCKET": gcs_bucket, "STORAGE_EMULATOR_HOST": gcs_emulator.endpoint}
+    got = run("restore", "2", 0, shm_dir / "new", tmp_path / "o2", gcs_env=env)
+    for r in got:
+        assert r["step"] == 21 and all(r["equal"].values()), r
+        assert any("resharded from world size 4 to 2" in n for n in r["skipped"]), r["skipped"]
