@@ -184,6 +184,8 @@ class _Encoder:
     sharded: list[ShardedEntry] = field(default_factory=list)
     by_sharded: dict[int, int] = field(default_factory=dict)
     owners: placement.OwnerChooser = field(default_factory=placement.OwnerChooser)
+    sharded_alive: list[Any] = field(default_factory=list)
+    """DTensors encoded (their ids stay unique while encoding)."""
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
         if placement.is_dtensor(t) or (
@@ -238,7 +240,8 @@ class _Encoder:
                 )
             )
             self.by_sharded[id(t)] = idx
-            self.keep_alive.append(t)
+            # not keep_alive: that lists plain tensors whose storages the save path inspects
+            self.sharded_alive.append(t)
         return {placement.SHARDED_TAG: idx}
 
     def _add_tensor(self, t: torch.Tensor, path: str) -> int:
