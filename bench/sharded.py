@@ -108,7 +108,9 @@ def rank_main(mode: str, root: Path, mb: int, rounds: int) -> dict[str, Any]:
         dist.barrier()
         dcp.save({"model": state}, checkpoint_id=str(root / "dcp"))
     else:
-        ckpt = strata.Checkpointer(job_id=JOB, ram_dir=ram, pvc_dir=pvc, allow_fresh_start=True)
+        ckpt = strata.Checkpointer(
+            job_id=JOB, ram_dir=ram, pvc_dir=pvc, allow_fresh_start=True, reshard=True
+        )
         dist.barrier()
         t0 = time.perf_counter()
         res = ckpt.restore({"model": state})

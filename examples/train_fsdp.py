@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         settings["ram_dir"] = args.ram_dir.replace("{rank}", str(rank))
     if args.pvc_dir:
         settings["pvc_dir"] = args.pvc_dir
-    ckpt = strata.Checkpointer(allow_fresh_start=True, **settings)
+    ckpt = strata.Checkpointer(allow_fresh_start=True, reshard=True, **settings)
 
     def state() -> dict[str, object]:
         msd, osd = get_state_dict(model, opt)

@@ -58,7 +58,7 @@ def state_for(s, fill=None):
             "rng": torch.get_rng_state(), "step": s}
 
 kw = dict(job_id="ns.sharded", ram_dir=os.path.join(ram_root, f"node-{rank}"),
-          pvc_dir=pvc or None, allow_fresh_start=True)
+          pvc_dir=pvc or None, allow_fresh_start=True, reshard=True)
 if gcs:
     os.environ["STRATA_GCS_BUCKET"] = gcs
 result = {"rank": rank}

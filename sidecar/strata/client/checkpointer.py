@@ -59,6 +59,7 @@ from strata.client.loader import load_shard
 from strata.client.saver import Saver
 from strata.client.sharded import ShardedLoad, ShardReader, reshard_candidate
 from strata.config import StrataConfig
+from strata.constants import ENV_RESTORE_RESHARD
 from strata.errors import CodecError, ConfigError, RestoreError, ShardCorrupt, StageError, TierError
 from strata.format import codec
 from strata.format.incarnation import Incarnation, new_incarnation_id
@@ -214,6 +215,10 @@ class Checkpointer:
     state holds CUDA tensors (None: only the driver's limits; :mod:`strata.client.cuda_host`).
     ``component_every``: top-level keys of a dict state saved at their own cadence (e.g.
     ``{"ema": 100}``; :mod:`strata.client.cadence`; default ``config.component_every``).
+    ``reshard``: let :meth:`restore` load a step written at another world size when it is the
+    newest step complete in a shared tier (sharded tensors resharded; docs/architecture.md
+    "Sharded state"). Default False (also env ``STRATA_RESTORE_RESHARD=1``): such a step is
+    skipped and noted, as before.
     Raises :class:`strata.config.ConfigError` for a bad configuration.
 
     One Checkpointer per training process; call ``save``/``restore`` from one thread (the
@@ -238,6 +243,7 @@ class Checkpointer:
         raise_on_error: bool = False,
         component_every: Mapping[str, int] | None = None,
         process_group: Any = None,
+        reshard: bool | None = None,
         register_limit_bytes: int | None = None,
     ) -> None:
         self.config = _build_config(
@@ -279,6 +285,9 @@ class Checkpointer:
             self._restore_tiers, self.ram, self.slot_provider, self.config.restore.verify
         )
         self.process_group = process_group
+        if reshard is None:
+            reshard = os.environ.get(ENV_RESTORE_RESHARD, "") in ("1", "true", "True")
+        self.reshard = reshard
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="strata-checksum")
         self.saver = Saver(
             self.ram,
@@ -447,9 +456,10 @@ class Checkpointer:
                 "cannot be seen, so only the PVC and GCS can serve a complete step; call "
                 "torch.distributed.init_process_group() before restore()"
             )
-        cand = self._gather(reshard_candidate(self._restore_tiers(), self.job_id, self.world_size))[
-            0
-        ]
+        cand = None
+        if self.reshard:
+            mine = reshard_candidate(self._restore_tiers(), self.job_id, self.world_size)
+            cand = self._gather(mine)[0]
         for _ in range(64):
             inv = self.stager.inventory(self.job_id, self.rank, self.world_size)
             gathered = self._gather({"inventory": inv.to_dict(), "incarnation": proposal})
