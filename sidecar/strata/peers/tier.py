@@ -148,7 +148,10 @@ class PeerTier(Tier):
 
     # -- reading ----------------------------------------------------------------------------------
 
-    def _copies(self, step: int, rank: int) -> list[tuple[str, str]]:
+    def copies(self, step: int, rank: int) -> list[tuple[str, str]]:
+        """``(peer, URL base)`` of every full copy of the shard, in the order they are tried:
+        peers' own RAM tiers, then replicas (peers in configuration order)."""
+        self._inventories(refresh=False)
         out = []
         for pid, inv in self._invs.items():
             if any(s.step == step and s.rank == rank for s in inv.ram):
@@ -162,7 +165,7 @@ class PeerTier(Tier):
     def get_manifest(self, job_id: str, step: int, rank: int) -> Manifest:
         self._inventories(refresh=False)
         skipped = []
-        for pid, base in self._copies(step, rank):
+        for pid, base in self.copies(step, rank):
             try:
                 return fetch_manifest(self.directory.client(pid), base, job_id, step, rank)[1]
             except ShardUnavailable as exc:
@@ -183,7 +186,7 @@ class PeerTier(Tier):
         every source tried."""
         self._inventories(refresh=False)
         skipped: list[str] = []
-        for pid, base in self._copies(step, rank):
+        for pid, base in self.copies(step, rank):
             client = self.directory.client(pid)
             try:
                 _raw, m = fetch_manifest(client, base, job_id, step, rank)
@@ -191,6 +194,7 @@ class PeerTier(Tier):
                 return m
             except CorruptCopy as exc:
                 log.warning("lying or broken peer skipped: %s", exc)
+                self.notes.append(f"peer {pid}: corrupt copy skipped: {exc}")
                 skipped.append(f"{exc}")
             except ShardUnavailable as exc:
                 skipped.append(str(exc))
@@ -248,6 +252,7 @@ class PeerTier(Tier):
             except (ShardUnavailable, PeerError) as exc:
                 if isinstance(exc, CorruptCopy):
                     log.warning("lying or broken peer skipped: %s", exc)
+                    self.notes.append(f"peer {peer}: corrupt unit skipped: {exc}")
                 skipped.append(str(exc))
         if len(got) < k:
             raise ShardUnavailable(
