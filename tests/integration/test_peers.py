@@ -71,6 +71,7 @@ class Cluster:
     nodes: list[Node] = field(default_factory=list)
     shards: dict[int, bytes] = field(default_factory=dict)
     """rank -> bytes of its RAM step."""
+    tiers: list[PeerTier] = field(default_factory=list)
 
     def config(self, node: Node) -> PeersConfig:
         return PeersConfig(
@@ -119,7 +120,9 @@ class Cluster:
         directory = PeerDirectory(
             cfg, JOB, node.id, tls_context(tls, server=False), TokenBucket(None)
         )
-        return PeerTier(directory)
+        tier = PeerTier(directory)
+        self.tiers.append(tier)
+        return tier
 
     def wait(self, what: str, done: Callable[[], bool], timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -177,6 +180,8 @@ def cluster(shm_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
 
     yield make
     for c in made:
+        for tier in c.tiers:
+            tier.close()
         for node in c.nodes:
             if node.proc is not None and node.proc.poll() is None:
                 node.proc.kill()
@@ -365,6 +370,7 @@ def test_a_server_of_another_job_is_refused_by_the_client(
     )
     with pytest.raises(PeerError) as err:
         directory.inventory("worker-0")
+    directory.close()
     assert isinstance(err.value, NotAMember) or "certificate" in str(err.value)
     with socket.create_connection(("127.0.0.1", svc.port), timeout=5):
         pass  # the port is open: refusal is by identity, not by an unreachable server

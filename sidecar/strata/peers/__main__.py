@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from pydantic import ValidationError
 
@@ -51,7 +52,15 @@ def main() -> int:
             r = svc.run_round()
             print(
                 json.dumps(
-                    {"event": "round", "copied": r.copied, "encoded": r.encoded, "notes": r.notes}
+                    {
+                        "event": "round",
+                        "copied": r.copied,
+                        "encoded": r.encoded,
+                        "notes": r.notes,
+                        "bytes_in": svc.ingress.total,
+                        "bytes_out": svc.egress.total,
+                        "cpu_seconds": time.process_time(),
+                    }
                 ),
                 flush=True,
             )

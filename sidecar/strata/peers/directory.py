@@ -41,6 +41,10 @@ class PeerDirectory:
         self._known: dict[str, PeerInventory] = {}
         self._records: dict[tuple[str, int], ParityRecord] = {}
 
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+
     def client(self, peer: str) -> PeerClient:
         try:
             return self.clients[peer]

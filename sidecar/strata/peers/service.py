@@ -111,6 +111,7 @@ class PeerService:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        self.directory.close()
 
     # -- serving ----------------------------------------------------------------------------------
 

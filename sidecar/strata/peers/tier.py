@@ -279,6 +279,10 @@ class PeerTier(Tier):
         data = fetch_chunk(client, f"/v1/ram/{rec.step}/{rank}", mm, off // B)
         return data + bytes(B - len(data))
 
+    def close(self) -> None:
+        """Close the kept-alive connections to the peers."""
+        self.directory.close()
+
     # -- not for this tier ------------------------------------------------------------------------
 
     def put_shard(

@@ -87,12 +87,18 @@ class TokenBucket:
 
     def __init__(self, rate: float | None) -> None:
         self.rate = rate
+        self.total = 0
+        """Bytes that passed (for metrics and the bench)."""
         self._tokens = float(rate or 0)
         self._last = time.monotonic()
         self._lock = threading.Lock()
 
     def take(self, n: int) -> None:
-        if self.rate is None or n <= 0:
+        if n <= 0:
+            return
+        with self._lock:
+            self.total += n
+        if self.rate is None:
             return
         with self._lock:
             now = time.monotonic()
@@ -201,29 +207,61 @@ class PeerClient:
         self.timeout = timeout
         host, _, port = endpoint.address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
+        self._idle: list[http.client.HTTPSConnection] = []
+        self._lock = threading.Lock()
 
-    def get(self, path: str, params: Mapping[str, int] | None = None) -> bytes:
-        """The body of ``GET path``; :class:`PeerError` (with ``status``) on failure."""
-        if params:
-            path += "?" + "&".join(f"{k}={v}" for k, v in params.items())
+    def _connect(self) -> http.client.HTTPSConnection:
+        """A new connection whose peer certificate names this job."""
         who = f"peer {self.endpoint.id} ({self.endpoint.address})"
         conn = http.client.HTTPSConnection(
             self.host, self.port, context=self.ctx, timeout=self.timeout
         )
         try:
-            try:
-                conn.connect()
-            except (OSError, ssl.SSLError) as exc:
-                raise PeerError(f"{who}: cannot connect: {exc}") from None
+            conn.connect()
             assert isinstance(conn.sock, ssl.SSLSocket)
             check_member(conn.sock.getpeercert(), self.job_id, who)
+        except NotAMember:
+            conn.close()
+            raise
+        except (OSError, ssl.SSLError) as exc:
+            conn.close()
+            raise PeerError(f"{who}: cannot connect: {exc}") from None
+        return conn
+
+    def close(self) -> None:
+        """Close the idle kept-alive connections."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def get(self, path: str, params: Mapping[str, int] | None = None) -> bytes:
+        """The body of ``GET path``; :class:`PeerError` (with ``status``) on failure.
+
+        Connections are kept alive and reused; a reused one that turns out closed (the peer
+        restarted) is replaced once."""
+        if params:
+            path += "?" + "&".join(f"{k}={v}" for k, v in params.items())
+        who = f"peer {self.endpoint.id} ({self.endpoint.address})"
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            reused = conn is not None
+            conn = conn or self._connect()
             try:
                 conn.request("GET", path)
                 resp = conn.getresponse()
                 body = resp.read()
+                break
             except (OSError, http.client.HTTPException) as exc:
-                raise PeerError(f"{who}: GET {path} failed: {exc}") from None
-        finally:
+                conn.close()
+                if not reused:
+                    raise PeerError(f"{who}: GET {path} failed: {exc}") from None
+        with self._lock:
+            if len(self._idle) < 4:
+                self._idle.append(conn)
+                conn = None
+        if conn is not None:
             conn.close()
         self.ingress.take(len(body))
         if resp.status != 200:
