@@ -46,7 +46,8 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     svc.start()
-    print(json.dumps({"event": "listening", "port": svc.port}), flush=True)
+    listening = {"event": "listening", "port": svc.port, "cpu_seconds": time.process_time()}
+    print(json.dumps(listening), flush=True)
     while not stop.is_set():
         try:
             r = svc.run_round()
