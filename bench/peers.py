@@ -163,12 +163,109 @@ def protect_step(nodes: int, size_mib: int, scheme: dict[str, Any]) -> dict[str,
         shutil.rmtree(base, ignore_errors=True)
 
 
+def interference(size_mib: int, rounds: int = 5, steps: int = 20) -> dict[str, Any]:
+    """Slowdown of a 1-thread matmul step loop while a peer replicates a ``size_mib`` state at
+    the default bandwidth bound (both peer processes at nice 19, as the sidecar runs): windows of
+    ``steps`` steps alternate quiet / busy; ``median(busy) / median(quiet) - 1``."""
+    import threading
+
+    from bench.interference import StepLoop
+
+    base = Path(tempfile.mkdtemp(prefix="strata-bench-peers-", dir="/dev/shm"))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        ca = make_ca()
+        ports = [free_port(), free_port()]
+        peers = tuple(PeerEndpoint(id=f"w{i}", address=f"127.0.0.1:{ports[i]}") for i in range(2))
+        write_ram_shard(
+            RamTier(base / "ram0"),
+            JOB,
+            1,
+            0,
+            os.urandom(size_mib * MiB),
+            world_size=1,
+            chunk_size=CHUNK,
+        )
+        for i in range(2):
+            tls, _ = job_tls(base / f"tls{i}", JOB, ca)
+            cfg = PeersConfig(
+                self_id=f"w{i}",
+                peers=peers,
+                listen_host="127.0.0.1",
+                port=ports[i],
+                tls=tls,
+                poll_seconds=0.2,
+            )
+            env = dict(os.environ, STRATA_JOB_ID=JOB, STRATA_RAM_DIR=str(base / f"ram{i}"))
+            env["STRATA_PEERS"] = cfg.model_dump_json()
+            procs.append(
+                subprocess.Popen(
+                    ["nice", "-n", "19", sys.executable, "-m", "strata.peers"],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        holder = PeerStore(base / "ram1", JOB)
+        loop = StepLoop(threads=1)
+        busy = threading.Event()
+        stop = threading.Event()
+        copies = 0
+
+        def churn() -> None:
+            # Each time the holder has committed the copy, drop it so that it copies again.
+            nonlocal copies
+            while not stop.is_set():
+                if busy.is_set() and 1 in holder.replicas().get("w0", {}):
+                    holder.delete_replica_step("w0", 1)
+                    copies += 1
+                time.sleep(0.01)
+
+        t = threading.Thread(target=churn, daemon=True)
+        t.start()
+        quiet: list[float] = []
+        loaded: list[float] = []
+        busy_s = 0.0
+        loop.run(steps)
+        for _ in range(rounds):
+            quiet += loop.run(steps)
+            busy.set()
+            time.sleep(1.0)  # the copy is under way
+            t0 = time.monotonic()
+            loaded += loop.run(steps)
+            busy_s += time.monotonic() - t0 + 1.0
+            busy.clear()
+            time.sleep(2.0)  # the copy in flight ends
+        stop.set()
+        t.join()
+        return {
+            "state_MiB": size_mib,
+            "bandwidth_bound_MiBps": PeersConfig().bandwidth_bytes_per_second // MiB,  # type: ignore[operator]
+            "copies_during_busy_windows": copies,
+            "step_ms_quiet": round(statistics.median(quiet) * 1000, 1),
+            "step_ms_busy": round(statistics.median(loaded) * 1000, 1),
+            "interference_fraction": round(
+                statistics.median(loaded) / statistics.median(quiet) - 1, 3
+            ),
+            "replicated_MiBps_while_training": round(copies * size_mib / busy_s, 1),
+        }
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=6)
     ap.add_argument("--sizes", default="64,256", help="state per node, MiB, comma-separated")
     ap.add_argument("--out", default="bench/results/peers.json")
+    ap.add_argument("--only-interference", action="store_true")
     args = ap.parse_args()
+    if args.only_interference:
+        print(json.dumps(interference(256)), flush=True)
+        return
     out: dict[str, Any] = {"codec": [codec(2, 1), codec(3, 2), codec(4, 2), codec(6, 2)]}
     for row in out["codec"]:
         print(json.dumps(row), flush=True)
@@ -184,6 +281,8 @@ def main() -> None:
             row = protect_step(args.nodes, size, scheme)
             print(json.dumps(row), flush=True)
             out["per_step"].append(row)
+    out["interference"] = interference(256)
+    print(json.dumps(out["interference"]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
