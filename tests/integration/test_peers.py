@@ -226,6 +226,20 @@ def test_replication_restores_a_lost_node_bit_identical(cluster: Callable[..., C
     assert served == ["peer", "peer"]
 
 
+def test_a_newer_step_replaces_the_copy_once_complete(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(2, "replicate")
+    owner, holder = c.nodes
+    c.wait("first copy", lambda: RAM_STEP in holder.store.replicas().get(owner.id, {}))
+    newer = os.urandom(3 * CHUNK + 5)
+    write_ram_shard(owner.ram, JOB, RAM_STEP + 10, 0, newer, world_size=2, chunk_size=CHUNK)
+    c.wait(
+        "the newer step replaces the older copy",
+        lambda: holder.store.replicas().get(owner.id, {}) == {RAM_STEP + 10: [0]},
+    )
+    data, _man = holder.store.replica_paths(owner.id, RAM_STEP + 10, 0)
+    assert data.read_bytes() == newer
+
+
 def test_a_lying_peer_is_detected_and_skipped(cluster: Callable[..., Cluster]) -> None:
     c = cluster(3, "replicate", copies=2)
     c.wait(

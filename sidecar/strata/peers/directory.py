@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 from pydantic import ValidationError
@@ -64,14 +65,18 @@ class PeerDirectory:
             )
         return inv
 
-    def inventories(self) -> tuple[dict[str, PeerInventory], list[str]]:
-        """Every reachable peer's inventory, and a note per unreachable one."""
-        if not self.clients:
+    def inventories(
+        self, only: Collection[str] | None = None
+    ) -> tuple[dict[str, PeerInventory], list[str]]:
+        """Every reachable peer's inventory (or only those of ``only``), and a note per
+        unreachable one."""
+        wanted = [p for p in self.clients if only is None or p in only]
+        if not wanted:
             return {}, []
         notes: list[str] = []
         out: dict[str, PeerInventory] = {}
-        with ThreadPoolExecutor(max_workers=min(16, len(self.clients))) as pool:
-            futures = {pid: pool.submit(self.inventory, pid) for pid in self.clients}
+        with ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
+            futures = {pid: pool.submit(self.inventory, pid) for pid in wanted}
             for pid, fut in futures.items():
                 try:
                     out[pid] = fut.result()

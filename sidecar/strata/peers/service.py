@@ -42,6 +42,7 @@ from strata.tiers.ram import RamTier, SlotLease
 log = logging.getLogger(__name__)
 
 MAX_RANGE = 64 * 1024 * 1024
+FULL_POLL_ROUNDS = 15
 _ROUTE = re.compile(
     r"^/v1/(?:(?P<ram>ram)/(?P<rs>\d+)/(?P<rr>\d+)"
     r"|replica/(?P<owner>[A-Za-z0-9][A-Za-z0-9._-]*)/(?P<ps>\d+)/(?P<pr>\d+)"
@@ -95,11 +96,13 @@ class PeerService:
             job_id,
             self.handle,
             self.egress,
-            timeout_seconds=config.timeout_seconds * 3,
+            timeout_seconds=config.timeout_seconds,
         )
         self.on_event = on_event
         self._summaries: dict[tuple[str, int, int], tuple[tuple[int, int], ShardSummary]] = {}
         self._thread: threading.Thread | None = None
+        self._owners: set[str] | None = None
+        self._rounds = 0
 
     @property
     def port(self) -> int:
@@ -245,12 +248,19 @@ class PeerService:
             stop.wait(self.config.poll_seconds)
 
     def run_round(self) -> RoundResult:
+        """One round. Replication polls only the owners it holds copies of, and every peer
+        every ``FULL_POLL_ROUNDS`` rounds (placement may change with nodes and domains):
+        polling everyone every round is N^2 requests per round across the job."""
         result = RoundResult()
-        invs, notes = self.directory.inventories()
+        partial = self.config.mode == "replicate" and self._rounds % FULL_POLL_ROUNDS != 0
+        only = self._owners if partial else None
+        self._rounds += 1
+        invs, notes = self.directory.inventories(only)
         result.notes.extend(notes)
         sites = self.directory.sites(self.me)
         try:
             if self.config.mode == "replicate":
+                self._owners = set(replicas_held_by(sites, self.me.id, self.config.copies))
                 self._replicate(invs, sites, result)
             else:
                 encode.encode_round(self, invs, sites, result)

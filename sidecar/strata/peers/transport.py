@@ -110,6 +110,11 @@ class TokenBucket:
             time.sleep(wait)
 
 
+MAX_CONNECTIONS = 256
+"""Concurrent connections a peer server serves (a client keeps at most 2 alive per peer; an idle
+one is closed by the server after its timeout)."""
+
+
 @dataclass
 class Reply:
     status: int
@@ -178,6 +183,21 @@ class PeerServer(ThreadingHTTPServer):
         self.egress = egress
         self.timeout_seconds = timeout_seconds
         self.refused = 0
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Bounded: a flood of connections (authenticated or not) cannot pile up threads.
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         self.refused += 1
@@ -258,7 +278,7 @@ class PeerClient:
                 if not reused:
                     raise PeerError(f"{who}: GET {path} failed: {exc}") from None
         with self._lock:
-            if len(self._idle) < 4:
+            if len(self._idle) < 2:
                 self._idle.append(conn)
                 conn = None
         if conn is not None:
