@@ -27,10 +27,19 @@ from strata.peers.directory import PeerDirectory
 from strata.peers.service import PeerService
 from strata.peers.store import PeerStore
 from strata.peers.tier import PeerTier
-from strata.peers.transport import NotAMember, PeerError, TokenBucket, tls_context
+from strata.peers.transport import (
+    NotAMember,
+    PeerClient,
+    PeerError,
+    PeerServer,
+    Reply,
+    TokenBucket,
+    tls_context,
+)
 from strata.restore import collect_inventory, plan_restore, stage_shard
 from strata.tiers.posix import PosixTier
 from strata.tiers.ram import RamTier
+from strata_operator.peers import peer_secret_data, peer_secret_name
 from tests.fixtures.peers import JobCa, job_tls, make_ca
 from tests.fixtures.sidecar import flip_byte, free_port, write_ram_shard
 
@@ -388,3 +397,47 @@ def test_a_server_of_another_job_is_refused_by_the_client(
     assert isinstance(err.value, NotAMember) or "certificate" in str(err.value)
     with socket.create_connection(("127.0.0.1", svc.port), timeout=5):
         pass  # the port is open: refusal is by identity, not by an unreachable server
+
+
+# -- the operator's per-job Secret ----------------------------------------------------------
+
+
+def _mount(directory: Path, job_id: str) -> PeerTlsConfig:
+    directory.mkdir()
+    for name, pem in peer_secret_data(job_id).items():
+        (directory / name).write_bytes(pem)
+    return PeerTlsConfig(
+        ca_path=str(directory / "ca.crt"),
+        cert_path=str(directory / "tls.crt"),
+        key_path=str(directory / "tls.key"),
+    )
+
+
+def test_peer_secret_proves_membership_of_its_job_only(tmp_path: Path) -> None:
+    """The Secret as mounted works for the sidecar's real TLS server and client; another job's
+    Secret does not."""
+    tls = _mount(tmp_path / "job", "ns.train")
+    server = PeerServer(
+        ("127.0.0.1", 0),
+        tls_context(tls, server=True),
+        "ns.train",
+        lambda path, query: Reply(200, b"member"),
+        TokenBucket(None),
+    )
+    server.serve_in_thread()
+    try:
+        endpoint = PeerEndpoint(id="w0", address=f"127.0.0.1:{server.server_address[1]}")
+        member = PeerClient(endpoint, tls_context(tls, server=False), "ns.train", TokenBucket(None))
+        assert member.get("/v1/inventory") == b"member"
+        member.close()
+        other = _mount(tmp_path / "other", "ns.other")
+        stranger = PeerClient(
+            endpoint, tls_context(other, server=False), "ns.other", TokenBucket(None)
+        )
+        with pytest.raises(PeerError):
+            stranger.get("/v1/inventory")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert peer_secret_name("ns.train").startswith("strata-peers-")
+    assert len(peer_secret_name("x" * 300)) <= 63

@@ -1,0 +1,157 @@
+"""Control-plane side of the peer tier (issue 16, docs/peers.md): pure builders, no API calls.
+
+- :func:`peer_secret_name` / :func:`peer_secret_data`: the per-job Secret (``kubernetes.io/tls``)
+  whose certificate proves membership of one job: a fresh CA (ECDSA P-256) signs one certificate
+  with the URI SAN ``strata://job/<job id>`` for server and client auth; the CA key is not kept.
+- :func:`workload_peers`: the peer list of a JobSet or an Indexed Job, from the stable pod host
+  names the workload controllers give, so that no sidecar needs Kubernetes API access to find its
+  peers. JobSet: ``<jobset>-<rjob>-<job index>-<pod index>.<subdomain>``; Indexed Job:
+  ``<job>-<index>.<subdomain>`` (the webhook sets the subdomain, the operator creates the headless
+  Service of that name).
+
+The webhook/handler wiring is listed in docs/peers.md ("Operator and webhook changes").
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+PEER_PORT = 8477
+PEER_TLS_MOUNT = "/var/run/secrets/strata.dev/peers"
+PEER_VALIDITY = datetime.timedelta(days=90)
+"""Lifetime of a job's peer certificate; a job running longer needs its Secret re-issued."""
+
+
+class PeerSpecError(ValueError):
+    """The workload cannot give stable peer addresses; the message says what to change."""
+
+
+def job_uri(job_id: str) -> str:
+    """Must equal ``strata.peers.transport.job_uri`` (the sidecar checks it)."""
+    return f"strata://job/{job_id}"
+
+
+def peer_secret_name(job_id: str) -> str:
+    """``strata-peers-<10 hex of sha256(job id)>``: a valid name whatever the job id's length."""
+    return "strata-peers-" + hashlib.sha256(job_id.encode()).hexdigest()[:10]
+
+
+def peer_secret_data(
+    job_id: str, now: datetime.datetime | None = None, validity: datetime.timedelta = PEER_VALIDITY
+) -> dict[str, bytes]:
+    """PEM ``ca.crt``, ``tls.crt``, ``tls.key`` of a fresh per-job CA and the job's certificate."""
+    start = (now or datetime.datetime.now(datetime.UTC)) - datetime.timedelta(minutes=5)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"strata peers CA {job_id}"[:64])])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + validity)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "strata-peer")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + validity)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(job_uri(job_id))]),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    return {
+        "ca.crt": ca.public_bytes(pem),
+        "tls.crt": cert.public_bytes(pem),
+        "tls.key": key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    }
+
+
+def _pods_of(job_spec: Mapping[str, Any], what: str) -> int:
+    if job_spec.get("completionMode") != "Indexed":
+        raise PeerSpecError(
+            f"{what}: the peer tier needs stable pod host names: set completionMode: Indexed"
+        )
+    n = job_spec.get("completions", job_spec.get("parallelism", 1))
+    if not isinstance(n, int) or n < 1:
+        raise PeerSpecError(f"{what}: completions must be a positive integer, got {n!r}")
+    return n
+
+
+def workload_peers(obj: Mapping[str, Any], port: int = PEER_PORT) -> list[dict[str, str]]:
+    """``[{"id": host name, "address": "<host>.<subdomain>.<namespace>.svc:<port>"}]`` of every
+    pod of a JobSet or an Indexed Job (``obj``: the workload as the API returns it).
+
+    Raises :class:`PeerSpecError` for other kinds, non-indexed jobs, or a JobSet without DNS
+    host names (``spec.network.enableDNSHostnames: false``).
+    """
+    kind = obj.get("kind")
+    meta = obj.get("metadata") or {}
+    name, ns = meta.get("name", ""), meta.get("namespace", "default")
+    spec = obj.get("spec") or {}
+    hosts: list[str] = []
+    if kind == "JobSet":
+        network = spec.get("network") or {}
+        if network.get("enableDNSHostnames") is False:
+            raise PeerSpecError(
+                f"JobSet {name}: spec.network.enableDNSHostnames is false; the peer tier finds "
+                "peers by their DNS host names"
+            )
+        subdomain = network.get("subdomain") or name
+        for rjob in spec.get("replicatedJobs") or []:
+            job_spec = (rjob.get("template") or {}).get("spec") or {}
+            pods = _pods_of(job_spec, f"JobSet {name} replicatedJob {rjob.get('name')}")
+            for j in range(int(rjob.get("replicas", 1))):
+                hosts += [f"{name}-{rjob['name']}-{j}-{p}" for p in range(pods)]
+    elif kind == "Job":
+        subdomain = peer_service_name(name)
+        hosts = [f"{name}-{i}" for i in range(_pods_of(spec, f"Job {name}"))]
+    else:
+        raise PeerSpecError(f"the peer tier supports JobSet and Indexed Job, not {kind}")
+    return [{"id": h, "address": f"{h}.{subdomain}.{ns}.svc:{port}"} for h in hosts]
+
+
+def peer_service_name(job_name: str) -> str:
+    """Headless Service (and pod subdomain) the operator creates for an Indexed Job's peers."""
+    return f"strata-peers-{job_name}"[:63].rstrip("-")
