@@ -24,6 +24,7 @@ import pytest
 
 from strata.peers.config import PeerEndpoint, PeersConfig, PeerTlsConfig
 from strata.peers.directory import PeerDirectory
+from strata.peers.placement import PeerSite, replica_holders
 from strata.peers.service import PeerService
 from strata.peers.store import PeerStore
 from strata.peers.tier import PeerTier
@@ -81,6 +82,7 @@ class Cluster:
     shards: dict[int, bytes] = field(default_factory=dict)
     """rank -> bytes of its RAM step."""
     tiers: list[PeerTier] = field(default_factory=list)
+    ranks_per_node: int = 1
 
     def config(self, node: Node) -> PeersConfig:
         return PeersConfig(
@@ -133,6 +135,17 @@ class Cluster:
         self.tiers.append(tier)
         return tier
 
+    def replicated(self) -> bool:
+        """Every node's RAM step is copied to the holders placement gives it."""
+        sites = [PeerSite(n.id) for n in self.nodes]
+        by_id = {n.id: n for n in self.nodes}
+        return all(
+            len(by_id[h].store.replicas().get(owner.id, {}).get(RAM_STEP, []))
+            == self.ranks_per_node
+            for owner in self.nodes
+            for h in replica_holders(sites, owner.id, self.copies)
+        )
+
     def wait(self, what: str, done: Callable[[], bool], timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -153,7 +166,7 @@ def cluster(shm_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     def make(
         n: int, mode: str, *, k: int = 2, m: int = 1, copies: int = 1, ranks_per_node: int = 1
     ) -> Cluster:
-        c = Cluster(tmp_path, mode, k, m, copies, make_ca())
+        c = Cluster(tmp_path, mode, k, m, copies, make_ca(), ranks_per_node=ranks_per_node)
         for i in range(n):
             d = shm_dir / f"node{i}"
             d.mkdir()
@@ -230,7 +243,8 @@ def test_replication_restores_a_lost_node_bit_identical(cluster: Callable[..., C
     )
     lost = c.nodes[1]
     c.lose(lost)
-    step, served = restore(c, lost, c.replacement_tier(lost), [2, 3])
+    tier = c.replacement_tier(lost)
+    step, served = restore(c, lost, tier, [2, 3])
     assert step == RAM_STEP  # one RAM interval, not the PVC's
     assert served == ["peer", "peer"]
 
@@ -251,10 +265,7 @@ def test_a_newer_step_replaces_the_copy_once_complete(cluster: Callable[..., Clu
 
 def test_a_lying_peer_is_detected_and_skipped(cluster: Callable[..., Cluster]) -> None:
     c = cluster(3, "replicate", copies=2)
-    c.wait(
-        "two copies of every node",
-        lambda: all(len(n.store.replicas()) == 2 for n in c.nodes),
-    )
+    c.wait("two copies of every node", c.replicated)
     lost = c.nodes[0]
     c.lose(lost)
     tier = c.replacement_tier(lost)

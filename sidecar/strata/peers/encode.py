@@ -48,7 +48,15 @@ def encode_round(
     if missing:
         result.notes.append(f"erasure coding waits: peers {missing} unreachable")
         return
-    common = set.intersection(*({s.step for s in everyone[p.id].ram} for p in sites))
+    # Steps every rank of the job has committed and checksummed somewhere (ranks checksum one by
+    # one: a step some rank still lacks would be coded without it, for good).
+    ranks: dict[int, set[int]] = {}
+    world: dict[int, int] = {}
+    for p in sites:
+        for s in everyone[p.id].ram:
+            ranks.setdefault(s.step, set()).add(s.rank)
+            world[s.step] = s.world_size
+    common = [s for s, rs in ranks.items() if rs >= set(range(world[s]))]
     if not common:
         return
     step = max(common)

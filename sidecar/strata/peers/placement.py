@@ -9,21 +9,28 @@ Rules (issue 16):
 - the load is balanced: each peer holds ``copies`` replicas; with erasure coding every peer holds
   about ``parity_shards / data_shards`` of a state in parity.
 
-The **ring**: peers ordered so that consecutive entries alternate failure domains (round-robin over
-domains, each domain sorted by node then id). Replica holders of an owner are the next peers on the
-ring that pass the rules above.
+Replication uses the **ring**: the peers sorted by id. Ids are stable (pod host names), so every
+sidecar computes the same holders even before it has heard from every peer, and a pod re-created on
+another node keeps its place. Nodes and domains, as reported by the peers, only filter: a replica
+holder is the next peer on the ring not known to share the owner's node (or, where labelled, its
+domain).
 
 **Erasure coding, declustered**: a member's *unit* (its ranks' shards laid end to end, each
-aligned to the chunk size) is cut into columns of one chunk. Column ``c`` is coded with the ring
-rotated by ``c``: the rotated ring is split into ``ceil(N / data_shards)`` groups of near-equal
-size, and each group's ``parity_shards`` parity chunks go to the next peers after the group that
-are not on a member's node. Rotating per column spreads the parity evenly over every peer (a fixed
-grouping would put whole parity blocks on the few peers outside a group). Any ``parity_shards``
-lost peers leave every group of every column at least ``k`` of its units.
+aligned to the chunk size) is cut into columns of one chunk. Columns are coded on the **spread
+ring** (round-robin over failure domains, within a domain over nodes: neighbours are on different
+nodes and domains where possible). Column ``c`` uses the spread ring rotated by ``c``, split into
+``ceil(N / data_shards)`` consecutive groups of near-equal size; each group's ``parity_shards``
+parity chunks go to the next peers after it that are not on a member's node (the least-loaded
+domain first). Rotating per column spreads the parity evenly over every peer, also where pods
+share nodes (a fixed grouping would put whole parity blocks on the few peers outside a group). Any
+``parity_shards`` lost nodes leave every group of every column at least ``k`` of its units.
+The spread ring depends on the nodes the peers report; a holder encodes only when it has heard
+from every peer, and every parity record names its groups, so a restore never recomputes them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -49,16 +56,20 @@ class PeerSite:
 
 
 def ring(sites: Iterable[PeerSite]) -> list[PeerSite]:
-    """The peers in ring order: round-robin over failure domains (unlabelled peers last, as
-    their own group), within a domain round-robin over nodes (ids sorted), so neighbours on the
-    ring are on different nodes and domains where possible. Raises :class:`PlacementError` on a
-    duplicate id."""
+    """The peers sorted by id. Raises :class:`PlacementError` on a duplicate id."""
+    out = sorted(sites, key=lambda s: s.id)
+    for a, b in itertools.pairwise(out):
+        if a.id == b.id:
+            raise PlacementError(f"peer id {a.id!r} appears twice")
+    return out
+
+
+def spread_ring(sites: Iterable[PeerSite]) -> list[PeerSite]:
+    """The peers round-robin over failure domains (unlabelled last, as one group), within a
+    domain round-robin over nodes, ids sorted: consecutive entries are on different nodes and
+    domains where possible."""
     by_domain: dict[str, list[PeerSite]] = defaultdict(list)
-    seen: set[str] = set()
-    for s in sites:
-        if s.id in seen:
-            raise PlacementError(f"peer id {s.id!r} appears twice")
-        seen.add(s.id)
+    for s in ring(sites):
         by_domain[s.domain or "\uffff"].append(s)
     return _round_robin([_by_node(v) for _, v in sorted(by_domain.items())])
 
@@ -67,7 +78,7 @@ def _by_node(sites: list[PeerSite]) -> list[PeerSite]:
     by_node: dict[str, list[PeerSite]] = defaultdict(list)
     for s in sites:
         by_node[s.node_key].append(s)
-    return _round_robin([sorted(v, key=lambda s: s.id) for _, v in sorted(by_node.items())])
+    return _round_robin([v for _, v in sorted(by_node.items())])
 
 
 def _round_robin(columns: list[list[PeerSite]]) -> list[PeerSite]:
@@ -155,7 +166,7 @@ def column_groups(
     other than its members' (and each other's).
     """
     check_erasure(sites, data_shards, parity_shards)
-    order = ring(sites)
+    order = spread_ring(sites)
     n = len(order)
     shift = column % n
     rot = order[shift:] + order[:shift]
@@ -185,6 +196,23 @@ def column_groups(
         groups.append(ColumnGroup(tuple(s.id for s in members), tuple(s.id for s in holders)))
         start += size
     return groups
+
+
+def colocated_members(sites: Sequence[PeerSite], data_shards: int) -> list[tuple[str, ...]]:
+    """Groups (of any column) with two members on one node: one node loss costs them two units
+    (more pods than nodes per group); empty when erasure coding tolerates node losses fully."""
+    order = spread_ring(sites)
+    n = len(order)
+    out = set()
+    for shift in range(n):
+        rot = order[shift:] + order[:shift]
+        start = 0
+        for size in group_sizes(n, data_shards):
+            members = rot[start : start + size]
+            start += size
+            if len({s.node_key for s in members}) < len(members):
+                out.add(tuple(sorted(s.id for s in members)))
+    return sorted(out)
 
 
 def group_of(groups: Sequence[ColumnGroup], member: str) -> ColumnGroup:

@@ -149,9 +149,11 @@ class PeerService:
             listings = self.ram.list_steps(self.job_id)
         except TierError:
             listings = {}
+        seen: set[tuple[str, int, int]] = set()
         for step, listing in sorted(listings.items()):
             for rank in sorted(listing.committed_ranks):
                 path = self.ram.manifest_path(self.job_id, step, rank)
+                seen.add(("", step, rank))
                 s = self._summary(str(path), ("", step, rank), path.read_bytes)
                 if s is not None:
                     ram.append(s)
@@ -160,9 +162,12 @@ class PeerService:
             for step, ranks in sorted(steps.items()):
                 for rank in ranks:
                     man = self.store.replica_paths(owner, step, rank)[1]
+                    seen.add((owner, step, rank))
                     s = self._summary(str(man), (owner, step, rank), man.read_bytes)
                     if s is not None:
                         replicas.setdefault(owner, []).append(s)
+        for gone in set(self._summaries) - seen:
+            self._summaries.pop(gone, None)
         return PeerInventory(
             job_id=self.job_id,
             peer=self.me.id,
@@ -276,19 +281,30 @@ class PeerService:
         self, invs: Mapping[str, PeerInventory], sites: list[PeerSite], result: RoundResult
     ) -> None:
         held = self.store.replicas()
-        for owner in replicas_held_by(sites, self.me.id, self.config.copies):
+        owners = replicas_held_by(sites, self.me.id, self.config.copies)
+        for stale in set(held) - set(owners):
+            # No longer ours to hold (a peer's node became known to be ours): drop the copies
+            # once the owner has a newer step, which its new holders copy.
+            inv = invs.get(stale)
+            if inv is not None and inv.ram and max(s.step for s in inv.ram) > max(held[stale]):
+                for step in self.store.replica_steps(stale):
+                    self.store.delete_replica_step(stale, step)
+        for owner in owners:
             inv = invs.get(owner)
             if inv is None or not inv.ram:
                 continue
             newest = max(s.step for s in inv.ram)
             shards = [s for s in inv.ram if s.step == newest]
             have = set(held.get(owner, {}).get(newest, []))
-            complete = True
             for shard in shards:
-                if shard.rank not in have:
-                    complete = self._copy_replica(owner, shard, result) and complete
-            if complete:
-                # Older copies go only once the newest is complete here.
+                if shard.rank not in have and self._copy_replica(owner, shard, result):
+                    have.add(shard.rank)
+            # The owner's ranks: every rank it lists at any step, or that we hold a copy of. Its
+            # ranks checksum one by one, so the newest step may still lack some: older copies go
+            # only once the newest is complete here.
+            ranks = {s.rank for s in inv.ram}
+            ranks.update(r for rs in held.get(owner, {}).values() for r in rs)
+            if have >= ranks:
                 self._retain_replicas(owner, newest)
 
     def _copy_replica(self, owner: str, shard: ShardSummary, result: RoundResult) -> bool:

@@ -107,25 +107,27 @@ class PeerTier(Tier):
     def _plan_column(
         self, rec: ParityRecord, records: Mapping[str, ParityRecord], owner: str, column: int
     ) -> tuple[list[str], int, dict[int, tuple[str, ParityColumn | None]]]:
-        """Members of the owner's group at ``column``, m, and block number -> (peer, parity col)
-        for every surviving unit (data blocks: ``None``)."""
-        parity: dict[int, tuple[str, ParityColumn | None]] = {}
-        members: list[str] | None = None
-        m = 0
+        """The owner's group at ``column`` (members, m) and block number -> (peer, parity column)
+        of every surviving unit (data blocks: ``None``). Holders that coded the column with
+        different groups (a peer moved between their rounds) are grouped apart; the group with
+        the most surviving units wins."""
+        by_group: dict[tuple[str, ...], tuple[int, dict[int, tuple[str, ParityColumn | None]]]]
+        by_group = {}
         for holder, r in records.items():
             for col in r.columns:
                 if col.column == column and owner in col.members:
-                    members, m = col.members, col.m
+                    _m, parity = by_group.setdefault(tuple(col.members), (col.m, {}))
                     parity[len(col.members) + col.index] = (holder, col)
-        if members is None:
-            return [], 0, {}
-        blocks = dict(parity)
-        for j, p in enumerate(members):
-            if p != owner and (
-                self._alive(p, rec) or locate(rec.units[p], column, rec.chunk_size) is None
-            ):
-                blocks[j] = (p, None)
-        return members, m, blocks
+        best: tuple[list[str], int, dict[int, tuple[str, ParityColumn | None]]] = ([], 0, {})
+        for members, (m, parity) in by_group.items():
+            blocks = dict(parity)
+            for j, p in enumerate(members):
+                padding = locate(rec.units.get(p, []), column, rec.chunk_size) is None
+                if p != owner and (padding or self._alive(p, rec)):
+                    blocks[j] = (p, None)
+            if not best[0] or len(blocks) - len(members) > len(best[2]) - len(best[0]):
+                best = (list(members), m, blocks)
+        return best
 
     def _unrebuildable(
         self, rec: ParityRecord, records: Mapping[str, ParityRecord], rank: int
