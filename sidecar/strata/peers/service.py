@@ -36,7 +36,7 @@ from strata.peers.pull import copy_shard, fetch_manifest
 from strata.peers.store import PeerStore
 from strata.peers.transport import PeerServer, Reply, TokenBucket, tls_context
 from strata.peers.wire import PeerInventory, ShardSummary
-from strata.tiers.base import ShardCorrupt, ShardUnavailable, TierError
+from strata.tiers.base import ShardCorrupt, ShardUnavailable, TierError, parse_manifest
 from strata.tiers.ram import RamTier, SlotLease
 
 log = logging.getLogger(__name__)
@@ -130,8 +130,6 @@ class PeerService:
         cached = self._summaries.get(key)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        from strata.tiers.base import parse_manifest
-
         try:
             m = parse_manifest(raw(), path, self.job_id, key[1], key[2])
         except (ShardUnavailable, OSError):
