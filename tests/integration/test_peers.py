@@ -86,7 +86,7 @@ class Cluster:
 
     def config(self, node: Node) -> PeersConfig:
         return PeersConfig(
-            mode=self.mode,  # type: ignore[arg-type]
+            mode=self.mode,
             copies=self.copies,
             data_shards=self.k,
             parity_shards=self.m,

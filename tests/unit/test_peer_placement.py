@@ -106,7 +106,7 @@ def test_column_groups_tolerate_any_m_lost_nodes_and_spread_parity(
     n: int, per_node: int, k: int, m: int
 ) -> None:
     peers = sites(n, per_node)
-    node = {s.id: s.node for s in peers}
+    node = {s.id: s.node_key for s in peers}
     parity_load: Counter[str] = Counter()
     for c in range(n):
         groups = column_groups(peers, k, m, c)

@@ -15,8 +15,9 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from strata import crc
-from strata.manifest import Manifest
+from strata.errors import ShardCorrupt, ShardUnavailable
+from strata.format import crc
+from strata.format.manifest import Manifest
 from strata.peers.erasure import encode_parity
 from strata.peers.placement import ColumnGroup, PeerSite, column_groups
 from strata.peers.pull import fetch_chunk, fetch_manifest
@@ -29,8 +30,8 @@ from strata.peers.wire import (
     unit_columns,
     unit_layout,
 )
-from strata.tiers.base import ShardCorrupt, ShardUnavailable, parse_manifest
-from strata.tiers.ram import SlotLease
+from strata.tiers.base import parse_manifest
+from strata.tiers.slots import SlotLease
 
 if TYPE_CHECKING:
     from strata.peers.service import PeerService, RoundResult

@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from strata import crc
-from strata.manifest import Manifest
+from strata.errors import ShardCorrupt, ShardUnavailable
+from strata.format import crc
+from strata.format.manifest import Manifest
 from strata.peers.transport import PeerClient, PeerError
-from strata.tiers.base import ShardCorrupt, ShardUnavailable, parse_manifest
+from strata.tiers.base import parse_manifest
 
 
 class CorruptCopy(ShardCorrupt):

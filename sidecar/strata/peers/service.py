@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from strata.errors import ShardCorrupt, ShardUnavailable, TierError
 from strata.peers import encode
 from strata.peers.config import PeersConfig
 from strata.peers.directory import PeerDirectory
@@ -36,8 +37,9 @@ from strata.peers.pull import copy_shard, fetch_manifest
 from strata.peers.store import PeerStore
 from strata.peers.transport import PeerServer, Reply, TokenBucket, tls_context
 from strata.peers.wire import PeerInventory, ShardSummary
-from strata.tiers.base import ShardCorrupt, ShardUnavailable, TierError, parse_manifest
-from strata.tiers.ram import RamTier, SlotLease
+from strata.tiers.base import parse_manifest
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import SlotLease
 
 log = logging.getLogger(__name__)
 

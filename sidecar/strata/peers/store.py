@@ -22,7 +22,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from strata import layout
+from strata.format import layout
 from strata.peers.config import check_peer_id
 from strata.peers.wire import ParityRecord
 

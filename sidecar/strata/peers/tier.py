@@ -22,20 +22,15 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from strata import crc
-from strata.manifest import Manifest
+from strata.errors import ShardUnavailable, TierError
+from strata.format import crc
+from strata.format.manifest import Manifest
 from strata.peers.directory import PeerDirectory
 from strata.peers.erasure import decode
 from strata.peers.pull import CorruptCopy, copy_shard, fetch_chunk, fetch_manifest
 from strata.peers.transport import PeerError
 from strata.peers.wire import ParityColumn, ParityRecord, PeerInventory, locate
-from strata.tiers.base import (
-    ShardUnavailable,
-    StepListing,
-    Tier,
-    TierError,
-    parse_manifest,
-)
+from strata.tiers.base import StepListing, Tier, parse_manifest
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +283,13 @@ class PeerTier(Tier):
     # -- not for this tier ------------------------------------------------------------------------
 
     def put_shard(
-        self, job_id: str, step: int, rank: int, src_path: Path, manifest: Manifest
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        src_path: Path,
+        manifest: Manifest,
+        verify_source: bool = True,
     ) -> int:
         raise TierError("the peer tier is filled by the sidecars' peer service, not written to")
 

@@ -19,7 +19,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from strata.manifest import Manifest
+from strata.format.manifest import Manifest
 
 WIRE_VERSION = 1
 
