@@ -49,9 +49,14 @@ from strata.constants import (
     SOCKET_RELPATH,
 )
 from strata.errors import ConfigError
+from strata.peers.config import PeersConfig
 
 TierName = Literal["ram", "pvc", "gcs"]
 TIER_ORDER: tuple[TierName, ...] = ("ram", "pvc", "gcs")
+SourceName = Literal["ram", "peer", "pvc", "gcs"]
+"""Where a restore can read a shard: the tiers, and ``peer`` (other nodes' RAM, docs/peers.md),
+which always comes right after RAM and is not a configurable tier of its own."""
+SOURCE_ORDER: tuple[SourceName, ...] = ("ram", "peer", "pvc", "gcs")
 
 DEFAULT_RAM_DIR = "/strata/ram"
 DEFAULT_PVC_DIR = "/strata/pvc"
@@ -156,6 +161,8 @@ class StrataConfig(_Frozen):
     gcs: GcsTierConfig | None = None
     restore: RestoreConfig = RestoreConfig()
     report: ReportConfig = ReportConfig()
+    peers: PeersConfig | None = None
+    """Peer tier: this node's RAM steps protected on other nodes (docs/peers.md); None: off."""
     socket_path: str | None = None
     """Unix socket of the local API; default ``<ram.path>/.strata/sidecar.sock``."""
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464
@@ -208,11 +215,15 @@ class StrataConfig(_Frozen):
         deletes only data whose writer id matches, so the client and the sidecar must agree."""
         return self.writer_id or self.pod_name or socket.gethostname()
 
-    def tiers_in_restore_order(self) -> list[TierName]:
-        """Configured tiers in restore order (nearest first); archive tiers never resume."""
+    def tiers_in_restore_order(self) -> list[SourceName]:
+        """Configured tiers in restore order (nearest first); archive tiers never resume; ``peer``
+        right after RAM when the peer tier is on (RAM -> peer -> PVC -> GCS)."""
         present = {"ram": True, "pvc": self.pvc is not None, "gcs": self.gcs is not None}
         archive = self.archive_tiers()
-        return [t for t in self.restore.order if present[t] and t not in archive]
+        order: list[SourceName] = [t for t in self.restore.order if present[t] and t not in archive]
+        if self.peers is not None:
+            order.insert(order.index("ram") + 1 if "ram" in order else 0, "peer")
+        return order
 
     def to_env(self) -> dict[str, str]:
         """The env vars the webhook injects (only ``STRATA_CONFIG``; the rest is downward API)."""

@@ -24,6 +24,9 @@ ENV_POD_NAME = "POD_NAME"
 ENV_POD_NAMESPACE = "POD_NAMESPACE"
 ENV_POD_UID = "POD_UID"
 ENV_NODE_NAME = "NODE_NAME"
+ENV_FAILURE_DOMAIN = "STRATA_FAILURE_DOMAIN"
+"""The pod's failure domain (the webhook maps the topology.kubernetes.io/zone label to it where the
+cluster copies node topology labels to pods); the peer tier places copies outside it."""
 
 # -- files ------------------------------------------------------------------------------------------
 

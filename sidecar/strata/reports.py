@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from strata.config import TierName
+from strata.config import SourceName, TierName
 from strata.constants import REPORT_PATH as REPORT_PATH
 
 REPORT_VERSION: Literal[1] = 1
@@ -51,8 +51,9 @@ class Promotion(_Model):
 class Restore(_Model):
     """A restore's provenance: which tier served which step, and why nearer tiers were skipped."""
 
-    tier: TierName | None
-    """None: nothing restorable (fresh start or failure, see ``outcome``)."""
+    tier: SourceName | None
+    """None: nothing restorable (fresh start or failure, see ``outcome``); ``peer``: other
+    nodes' RAM (docs/peers.md)."""
     step: Annotated[int, Field(ge=0)] | None
     bytes: Annotated[int, Field(ge=0)] = 0
     seconds: Annotated[float, Field(ge=0)] = 0.0
@@ -63,7 +64,7 @@ class Restore(_Model):
 
 
 class ReportedError(_Model):
-    tier: TierName | None = None
+    tier: SourceName | None = None
     message: Annotated[str, Field(max_length=2048)]
     time: datetime = Field(default_factory=utcnow)
 

@@ -659,6 +659,8 @@ class Checkpointer:
             return self.config.pvc.path
         if tier == "gcs" and self.config.gcs is not None:
             return f"gs://{self.config.gcs.bucket}/{self.config.gcs.prefix}"
+        if tier == "peer" and self.config.peers is not None:
+            return f"{len(self.config.peers.peers)} peers (through the sidecar)"
         return "?"
 
     def _load(self, state: Any, step: int, tier: str, notes: list[str]) -> Any:

@@ -24,17 +24,21 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from strata.errors import ShardCorrupt, ShardUnavailable, TierError
+from strata.config import StrataConfig
+from strata.constants import ENV_FAILURE_DOMAIN
+from strata.errors import ConfigError, ShardCorrupt, ShardUnavailable, TierError
 from strata.peers import encode
 from strata.peers.config import PeersConfig
 from strata.peers.directory import PeerDirectory
 from strata.peers.placement import PeerSite, PlacementError, replicas_held_by
 from strata.peers.pull import copy_shard, fetch_manifest
 from strata.peers.store import PeerStore
+from strata.peers.tier import PeerTier
 from strata.peers.transport import PeerServer, Reply, TokenBucket, tls_context
 from strata.peers.wire import PeerInventory, ShardSummary
 from strata.tiers.base import parse_manifest
@@ -101,10 +105,40 @@ class PeerService:
             timeout_seconds=config.timeout_seconds,
         )
         self.on_event = on_event
+        self.tier = PeerTier(self.directory)
+        """The restore side (RAM -> peer -> PVC -> GCS) over the same clients."""
         self._summaries: dict[tuple[str, int, int], tuple[tuple[int, int], ShardSummary]] = {}
         self._thread: threading.Thread | None = None
         self._owners: set[str] | None = None
         self._rounds = 0
+
+    @classmethod
+    def for_sidecar(
+        cls,
+        config: StrataConfig,
+        ram: RamTier,
+        on_event: Callable[[str, Mapping[str, object]], None] | None = None,
+    ) -> PeerService | None:
+        """The service of a sidecar configured with ``config.peers`` (None when off). Its peer id
+        is ``peers.self_id``, else the host name (the pod's stable host name under JobSet or an
+        Indexed Job); node from ``NODE_NAME``, failure domain from ``STRATA_FAILURE_DOMAIN``."""
+        if config.peers is None:
+            return None
+        self_id = config.peers.self_id or socket.gethostname()
+        if config.peers.peers and self_id not in {p.id for p in config.peers.peers}:
+            raise ConfigError(
+                f"this sidecar's peer id {self_id!r} (host name) is not in peers.peers; set "
+                "peers.self_id or run the pods with stable host names (JobSet, Indexed Job)"
+            )
+        return cls(
+            config.peers,
+            config.job_id,
+            ram,
+            self_id=self_id,
+            node=config.node_name,
+            domain=os.environ.get(ENV_FAILURE_DOMAIN) or None,
+            on_event=on_event,
+        )
 
     @property
     def port(self) -> int:
@@ -116,7 +150,7 @@ class PeerService:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-        self.directory.close()
+        self.tier.close()
 
     # -- serving ----------------------------------------------------------------------------------
 

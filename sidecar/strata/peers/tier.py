@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 class PeerTier(Tier):
     """The job's peers as a read-only tier named ``peer`` (see the module docstring)."""
 
+    # A restore source (config.SourceName), not a configurable tier: the promotion and retention
+    # code keyed on TierName never sees this tier, only restore does.
     name = "peer"  # type: ignore[assignment]
 
     def __init__(self, directory: PeerDirectory) -> None:

@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
-from strata.config import TIER_ORDER, StrataConfig, TierName
+from strata.config import SOURCE_ORDER, SourceName, StrataConfig, TierName
 from strata.errors import TierError
 from strata.protocol import RestoreEvent, SaveEvent
 from strata.reports import MAX_EVENTS, Promotion, ReportedError, Restore, SidecarReport, TierState
@@ -75,7 +75,7 @@ class Activity:
         elif event.kind in ("retention", "gc"):
             m.retention_deleted.labels(tier=event.tier, reason=event.kind).inc()
 
-    def error(self, tier: TierName | None, message: str) -> None:
+    def error(self, tier: SourceName | None, message: str) -> None:
         with self._lock:
             self._errors.append(ReportedError(tier=tier, message=message[:2048]))
         self.report_due.set()
@@ -168,9 +168,9 @@ class Activity:
         )
 
 
-def _tier_name(name: str | None) -> TierName | None:
+def _tier_name(name: str | None) -> SourceName | None:
     """A tier name reported by a client, or None when it names no tier."""
-    for tier in TIER_ORDER:
+    for tier in SOURCE_ORDER:
         if tier == name:
             return tier
     return None

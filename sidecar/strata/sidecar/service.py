@@ -29,12 +29,13 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from types import FrameType
 from typing import Any
 
 from strata.config import StrataConfig
 from strata.errors import TierError
+from strata.peers.service import PeerService
 from strata.sidecar.activity import Activity
 from strata.sidecar.http import Routes, serve_tcp, serve_unix
 from strata.sidecar.janitor import touch_heartbeat
@@ -88,6 +89,9 @@ class Sidecar:
             config, self.metrics, [self.ram, *durable.values()], self.engine.local_ranks
         )
         self.reporter = self._make_reporter()
+        # Peer tier (docs/peers.md): serves this node's copies, keeps the peers', restores from
+        # them. Binds its port now: a taken port or missing TLS material fails start-up.
+        self.peers = PeerService.for_sidecar(config, self.ram, self._on_peer_event)
         self.api = LocalApi(
             config,
             self.ram,
@@ -104,7 +108,19 @@ class Sidecar:
     # -- tiers ------------------------------------------------------------------------------------
 
     def restore_tiers(self) -> list[Tier]:
-        return in_restore_order(self.config, self.ram, self.durable)
+        peer = self.peers.tier if self.peers is not None else None
+        return in_restore_order(self.config, self.ram, self.durable, peer)
+
+    def _on_peer_event(self, kind: str, detail: Mapping[str, object]) -> None:
+        """Peer copies count as promotions to the ``peer`` tier in the metrics; a corrupt copy
+        served by a peer is a checksum mismatch and a reported error."""
+        log.info("peer %s: %s", kind, dict(detail), extra={"event": f"peer_{kind}", **detail})
+        nbytes = detail.get("nbytes")
+        if kind in ("replicated", "encoded") and isinstance(nbytes, int):
+            self.metrics.promotion_bytes.labels(tier="peer").inc(nbytes)
+        elif kind == "corrupt_peer":
+            self.metrics.checksum_mismatches.labels(tier="peer").inc()
+            self.activity.error("peer", f"a peer served a corrupt copy, skipped: {dict(detail)}")
 
     # -- events -> metrics and reports ------------------------------------------------------------
 
@@ -182,6 +198,8 @@ class Sidecar:
         newest = self.engine.newest_ram_step(ranks) if ranks else None
         if newest is not None:
             self.metrics.last_committed_step.labels(tier="ram").set(newest)
+        if self.peers is not None:
+            self.peers.start()
         self._unix = serve_unix(self.config.socket, self.api.routes())
         self.ready.set()
         log.info(
@@ -300,6 +318,11 @@ class Sidecar:
         r = threading.Thread(target=self._report_loop, name="strata-report-loop", daemon=True)
         r.start()
         self._threads.append(r)
+        if self.peers is not None:
+            p = threading.Thread(target=self.peers.run, args=(self.stop,), name="strata-peers")
+            p.daemon = True
+            p.start()
+            self._threads.append(p)
         self.activity.report_due.set()
 
     def install_signal_handlers(self) -> None:
@@ -356,6 +379,8 @@ class Sidecar:
             self.config.socket.unlink()
         for tier in self.durable.values():
             tier.close()
+        if self.peers is not None:
+            self.peers.close()
 
     def serve(self) -> int:
         """Run until SIGTERM/SIGINT; returns the exit status."""

@@ -43,8 +43,14 @@ def durable_tiers(
 
 
 def in_restore_order(
-    config: StrataConfig, ram: RamTier, durable: Mapping[TierName, Tier]
+    config: StrataConfig,
+    ram: RamTier,
+    durable: Mapping[TierName, Tier],
+    peer: Tier | None = None,
 ) -> list[Tier]:
-    """RAM and the durable tiers in ``config.restore.order`` (those that exist)."""
-    by_name: dict[TierName, Tier] = {"ram": ram, **durable}
+    """RAM, the peer tier (when given: only the sidecar holds the peers' TLS material) and the
+    durable tiers in restore order (:meth:`StrataConfig.tiers_in_restore_order`)."""
+    by_name: dict[str, Tier] = {"ram": ram, **{str(k): t for k, t in durable.items()}}
+    if peer is not None:
+        by_name["peer"] = peer
     return [by_name[t] for t in config.tiers_in_restore_order() if t in by_name]
