@@ -20,9 +20,7 @@ def test_sidecar_image_runs_strata_sidecar_with_gcs_and_without_torch() -> None:
     entrypoints = re.findall(r"^ENTRYPOINT (.+)$", text, re.MULTILINE)
     assert json.loads(entrypoints[-1]) == ["strata", "sidecar"]
     installs = re.findall(r"pip install [^\n]*", text)
-    assert installs and all(
-        re.findall(r"\.\[([a-z,]+)\]", i) == ["gcs,peers"] for i in installs
-    )
+    assert installs and all(re.findall(r"\.\[([a-z,]+)\]", i) == ["gcs,peers"] for i in installs)
     assert '! /opt/strata/bin/python -c "import torch"' in text
     assert re.search(r"^USER 65532", text, re.MULTILINE)
 
