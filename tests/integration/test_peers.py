@@ -452,3 +452,36 @@ def test_peer_secret_proves_membership_of_its_job_only(tmp_path: Path) -> None:
         server.server_close()
     assert peer_secret_name("ns.train").startswith("strata-peers-")
     assert len(peer_secret_name("x" * 300)) <= 63
+
+
+def test_copies_never_outgrow_the_ram_tier_size_limit(shm_dir: Path, tmp_path: Path) -> None:
+    """The kubelet evicts a pod whose emptyDir outgrows its sizeLimit: a copy that would not fit
+    is not made, and the round says why."""
+    ca = make_ca()
+    ports = [free_port(), free_port()]
+    peers = tuple(PeerEndpoint(id=f"w{i}", address=f"127.0.0.1:{ports[i]}") for i in range(2))
+    services = []
+    for i in range(2):
+        tls, _ = job_tls(tmp_path / f"tls{i}", JOB, ca)
+        cfg = PeersConfig(
+            self_id=f"w{i}", peers=peers, listen_host="127.0.0.1", port=ports[i], tls=tls
+        )
+        ram = RamTier(shm_dir / f"n{i}")
+        if i == 0:
+            write_ram_shard(
+                ram, JOB, RAM_STEP, 0, os.urandom(4 * CHUNK), world_size=1, chunk_size=CHUNK
+            )
+        limit = 2 * CHUNK if i == 1 else None
+        services.append(PeerService(cfg, JOB, ram, self_id=f"w{i}", size_limit=limit))
+    try:
+        for s in services:
+            s.start()
+        result = services[1].run_round()
+        assert not result.copied
+        assert any("size limit" in n for n in result.notes), result.notes
+        assert services[1].store.replicas() == {}
+        services[1].size_limit = 64 * CHUNK
+        assert services[1].run_round().copied == [("w0", RAM_STEP, 0)]
+    finally:
+        for s in services:
+            s.close()

@@ -19,7 +19,7 @@ from strata.errors import ShardCorrupt, ShardUnavailable
 from strata.format import crc
 from strata.format.manifest import Manifest
 from strata.peers.erasure import encode_parity
-from strata.peers.placement import ColumnGroup, PeerSite, column_groups
+from strata.peers.placement import ColumnGroup, PeerSite, column_groups, group_sizes
 from strata.peers.pull import fetch_chunk, fetch_manifest
 from strata.peers.wire import (
     ParityColumn,
@@ -65,7 +65,7 @@ def encode_round(
     if step in done:
         return
     try:
-        record = _encode_step(svc, everyone, sites, step)
+        record = _encode_step(svc, everyone, sites, step, result)
     except (ShardUnavailable, OSError, ValueError) as exc:
         if isinstance(exc, ShardCorrupt):
             svc.emit("corrupt_peer", step=step, message=str(exc))
@@ -80,7 +80,11 @@ def encode_round(
 
 
 def _encode_step(
-    svc: PeerService, everyone: Mapping[str, PeerInventory], sites: list[PeerSite], step: int
+    svc: PeerService,
+    everyone: Mapping[str, PeerInventory],
+    sites: list[PeerSite],
+    step: int,
+    result: RoundResult,
 ) -> ParityRecord:
     job, me = svc.job_id, svc.me.id
     raws: dict[int, bytes] = {}
@@ -110,6 +114,10 @@ def _encode_step(
     }
     ncols = max(unit_columns(u, chunk) for u in units.values())
     k, m = svc.config.data_shards, svc.config.parity_shards
+    # Parity spreads evenly: about G * m of every N columns land on each peer (+1 for the rest).
+    share = -(-ncols * len(group_sizes(len(sites), k)) * m // len(sites)) + 1
+    if not svc.fits(share * chunk, result, f"parity of step {step}"):
+        raise ValueError("no room for parity in the RAM tier's size limit")
     layouts: dict[int, list[ColumnGroup]] = {}
     columns: list[ParityColumn] = []
     tmp = svc.store.parity_temp(step)

@@ -85,8 +85,11 @@ class PeerService:
         node: str | None = None,
         domain: str | None = None,
         on_event: Callable[[str, Mapping[str, object]], None] | None = None,
+        size_limit: int | None = None,
     ) -> None:
         self.config = config
+        self.size_limit = size_limit
+        """Bytes the whole RAM directory may hold (``ram.size_limit_bytes``); None: unbounded."""
         self.job_id = job_id
         self.ram = ram
         self.me = PeerSite(self_id, node, domain)
@@ -138,6 +141,7 @@ class PeerService:
             node=config.node_name,
             domain=os.environ.get(ENV_FAILURE_DOMAIN) or None,
             on_event=on_event,
+            size_limit=config.ram.size_limit_bytes,
         )
 
     @property
@@ -341,7 +345,24 @@ class PeerService:
             if have >= ranks:
                 self._retain_replicas(owner, newest)
 
+    def fits(self, nbytes: int, result: RoundResult, what: str) -> bool:
+        """Whether ``nbytes`` more fit in the RAM tier's size limit (the emptyDir ``sizeLimit``:
+        the kubelet evicts a pod whose emptyDir outgrows it); notes it when not."""
+        if self.size_limit is None:
+            return True
+        used = self.store.ram_usage()
+        if used + nbytes <= self.size_limit:
+            return True
+        result.notes.append(
+            f"{what} not kept: {used} + {nbytes} bytes would exceed the RAM tier's size limit "
+            f"{self.size_limit} (ram.size_limit_bytes); the webhook must size the RAM tier for "
+            "the peer copies (docs/peers.md)"
+        )
+        return False
+
     def _copy_replica(self, owner: str, shard: ShardSummary, result: RoundResult) -> bool:
+        if not self.fits(shard.data_nbytes, result, f"replica of {owner} step {shard.step}"):
+            return False
         client = self.directory.client(owner)
         base = f"/v1/ram/{shard.step}/{shard.rank}"
         tmp = self.store.temp_data(owner, shard.step, shard.rank)

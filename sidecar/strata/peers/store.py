@@ -60,6 +60,16 @@ class PeerStore:
         self.root = Path(ram_root) / job_id
         self.job_id = job_id
 
+    def ram_usage(self) -> int:
+        """Bytes allocated under the whole RAM directory (every job, slots and copies): what
+        counts against the emptyDir ``sizeLimit``."""
+        total = 0
+        for root, _dirs, files in os.walk(self.root.parent):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
+        return total
+
     # -- replicas ---------------------------------------------------------------------------------
 
     def replica_dir(self, owner: str, step: int) -> Path:
