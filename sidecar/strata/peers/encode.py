@@ -6,13 +6,15 @@ where :func:`~strata.peers.placement.column_groups` makes this node a parity hol
 group members' unit chunks (each verified against its manifest's chunk CRC32C; padding is zeros,
 and a column that is padding for every member is skipped), computes its parity block with zfec
 and appends it to ``parity.data``; the :class:`~strata.peers.wire.ParityRecord` (with every
-member's raw manifests) is committed last. Memory while coding: ``k + 1`` chunks.
+member's raw manifests) is committed last. The ``k`` chunks of a column are fetched in parallel.
+Memory while coding: ``k + 1`` chunks.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from strata.errors import ShardCorrupt, ShardUnavailable
@@ -122,7 +124,8 @@ def _encode_step(
     columns: list[ParityColumn] = []
     tmp = svc.store.parity_temp(step)
     try:
-        with open(tmp, "wb") as f:
+        # The k chunks of a column come from k peers: fetched in parallel (latency-bound).
+        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=min(8, k)) as pool:
             for c in range(ncols):
                 if c % len(sites) not in layouts:
                     layouts[c % len(sites)] = column_groups(sites, k, m, c)
@@ -132,9 +135,12 @@ def _encode_step(
                         continue
                     if all(locate(units[p], c, chunk) is None for p in g.members):
                         continue
-                    blocks = [
-                        _unit_chunk(svc, p, units[p], manifests, step, c, chunk) for p in g.members
-                    ]
+                    blocks = list(
+                        pool.map(
+                            lambda p, c=c: _unit_chunk(svc, p, units[p], manifests, step, c, chunk),
+                            g.members,
+                        )
+                    )
                     index = g.holders.index(me)
                     parity = encode_parity(blocks, m, [index])[0]
                     columns.append(
