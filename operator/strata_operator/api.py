@@ -43,6 +43,7 @@ from strata.config import (
     RamTierConfig,
     ReportConfig,
     RestoreConfig,
+    SourceName,
     StrataConfig,
     TierName,
 )
@@ -532,8 +533,9 @@ class TierStepsStatus(_Model):
 class LastRestoreStatus(_Model):
     """Provenance of a job's last restore."""
 
-    tier: TierName | None = None
-    """Tier that served it; absent for a fresh start or a failed restore."""
+    tier: SourceName | None = None
+    """Tier that served it (``peer``: other nodes' RAM); absent for a fresh start or a failed
+    restore."""
     step: Annotated[int, Field(ge=0)] | None = None
     seconds: Annotated[float, Field(ge=0)] | None = None
     """Wall time of the restore (stage into RAM + load), seconds."""
@@ -542,7 +544,7 @@ class LastRestoreStatus(_Model):
 
 
 class LastErrorStatus(_Model):
-    tier: TierName | None = None
+    tier: SourceName | None = None
     message: Annotated[str, Field(max_length=2048)]
     time: datetime
 

@@ -123,3 +123,21 @@ def test_jobs_are_bounded_newest_first() -> None:
     assert jobs[0]["jobId"] == "ns.j39" and jobs[-1]["jobId"] == "ns.j8"
     jobs, _ = fold_report(jobs, report(job="ns.j20"), now=T0 + timedelta(seconds=99), max_jobs=32)
     assert jobs[0]["jobId"] == "ns.j20" and len(jobs) == 32
+
+
+def test_a_restore_from_peers_folds_into_status_and_events_as_peer() -> None:
+    """Issue 16: the replacement of a lost node restores from other nodes' RAM; the status (and
+    the CRD's enum) and the Event name the tier ``peer``."""
+    jobs, events = fold_report(
+        [],
+        report(
+            pod="train-1",
+            restores=[Restore(tier="peer", step=130, seconds=0.4, bytes=10, rank=1, time=T0)],
+            errors=[ReportedError(tier="peer", message="corrupt copy skipped", time=T0)],
+        ),
+        now=T0,
+    )
+    assert jobs[0]["lastRestore"]["tier"] == "peer"
+    assert jobs[0]["lastError"]["tier"] == "peer"
+    CheckpointPolicyStatus.model_validate({"jobs": jobs})
+    assert "rank 1 restored step 130 from tier peer" in events[0].message
