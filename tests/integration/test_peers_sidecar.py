@@ -3,14 +3,18 @@ with its own RAM directory on the machine's tmpfs, and the real training client.
 
 Three trainers save step 130 through their node's sidecar; the sidecars replicate each other's
 RAM step over mutual TLS. Node 1 is lost (its sidecar SIGKILLed, its RAM wiped); the replacement
-sidecar starts on an empty RAM directory and the replacement trainer's ``restore()`` loads step 130
-from the peers, bit-identical, with no PVC configured at all; the sidecar's report to the operator
-says the tier was ``peer``.
+sidecar starts on an empty RAM directory and the job restarts: three trainer processes (gloo)
+``restore()`` step 130 -- ranks 0 and 2 from their RAM, rank 1 from the peers, bit-identical,
+with no PVC configured at all; the sidecar's report to the operator says the tier was ``peer``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +35,53 @@ pytestmark = pytest.mark.integration
 JOB = "team.peers-e2e"
 WORLD = 3
 STEP = 130
+
+
+_TRAINER = r"""
+import json, sys
+import torch
+import torch.distributed as dist
+from strata.client import Checkpointer
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+g = torch.Generator().manual_seed(rank)
+want = {"w": torch.randn(300, 700, generator=g), "b": torch.randn(77, generator=g)}
+live = {"w": torch.zeros(300, 700), "b": torch.zeros(77), "step": 0}
+with Checkpointer() as c:
+    res = c.restore(live)
+ok = torch.equal(live["w"], want["w"]) and torch.equal(live["b"], want["b"])
+dist.barrier()
+dist.destroy_process_group()
+print(json.dumps({"step": res.step, "tiers": {str(k): v for k, v in res.tiers.items()}, "ok": ok}))
+"""
+
+
+def restart_job(configs: list[StrataConfig]) -> list[dict[str, Any]]:
+    """Every rank's trainer restores (gloo on loopback), each through its node's sidecar."""
+    port = free_port()
+    procs = []
+    for rank, c in enumerate(configs):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+        env.update(c.to_env())
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(len(configs)),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _TRAINER], env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, stdout
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
 
 
 def state_of(rank: int) -> dict[str, Any]:
@@ -99,15 +150,11 @@ def test_a_lost_node_restores_its_ram_step_from_peers_through_the_sidecar(
     sidecars[1].kill()
     shutil.rmtree(shm_dir / "node1")
     replacement = sidecar_proc(config(1))
-    live = state_of(1)
-    live["w"].zero_()
-    live["b"].zero_()
-    with Checkpointer(replacement.config, rank=1, world_size=WORLD) as trainer:
-        result = trainer.restore(live)
-    assert result.step == STEP  # the RAM step: no PVC is even configured
-    assert result.tiers[1] == "peer"
-    want = state_of(1)
-    assert torch.equal(live["w"], want["w"]) and torch.equal(live["b"], want["b"])
+    configs[1] = replacement.config
+    results = restart_job(configs)
+    assert [r["step"] for r in results] == [STEP] * WORLD  # no PVC is even configured
+    assert all(r["ok"] for r in results)  # bit-identical tensors on every rank
+    assert results[0]["tiers"] == {"0": "ram", "1": "peer", "2": "ram"}
 
     reported = report_receiver.wait_for(
         lambda r: (
