@@ -16,18 +16,21 @@ value GCS reports as ``crc32c``).
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from strata.errors import ManifestError
+from strata.errors import FormatError, ManifestError
+from strata.format.sealed import seal, unseal
 
 FORMAT_VERSION = 2
 """Version of every Strata record (shard manifest, commit record, incarnation record).
 
 2: manifests carry ``incarnation``; steps get a global commit record (issue 12, with the
-optional fields of issues 11/13/16/18 added under the same number)."""
+optional fields of issues 11/13/16/18 added under the same number); manifests are sealed like
+the commit record (:mod:`strata.format.sealed`; issue 11)."""
 ALIGN = 64
 """Byte alignment of each storage in the data object (cache line; keeps copies vectorised)."""
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
@@ -170,11 +173,49 @@ class Manifest(BaseModel):
         return self.crc32c is not None and self.chunk_crc32c is not None
 
     def to_json(self) -> bytes:
-        return self.model_dump_json().encode()
+        """The stored form: the JSON sealed with its CRC32C (:func:`strata.format.sealed.seal`),
+        so every tier verifies it on the raw bytes before any field is read (issue 11)."""
+        return seal(self.model_dump_json().encode())
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> Manifest:
+        """Parse stored manifest bytes; the seal is verified before any field is read.
+
+        Raises :class:`ManifestVersionError` for an unsealed manifest whose body says it is of
+        an older format version (not corruption: skip it), :class:`ManifestError` for anything
+        else that does not verify or parse (a damaged copy: quarantine it).
+        """
         try:
-            return cls.model_validate_json(raw)
+            body = unseal(raw, where)
+        except FormatError as exc:
+            version = _unsealed_version(raw)
+            if version is not None and version < FORMAT_VERSION:
+                raise ManifestVersionError(
+                    f"{where}: manifest format version {version}, this Strata reads "
+                    f"{FORMAT_VERSION}; restore another step (or use the Strata that wrote it)",
+                    version,
+                ) from None
+            raise ManifestError(f"malformed manifest {where}: {exc}") from None
+        try:
+            return cls.model_validate_json(body)
         except ValueError as exc:
             raise ManifestError(f"malformed manifest {where}: {exc}") from None
+
+
+def _unsealed_version(raw: bytes) -> int | None:
+    """``format_version`` of an unsealed manifest (one written before version 2), else None."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    version = obj.get("format_version") if isinstance(obj, dict) else None
+    return version if type(version) is int else None
+
+
+class ManifestVersionError(ManifestError):
+    """An intact manifest of another format version (``format_version``): skip, never
+    quarantine."""
+
+    def __init__(self, message: str, format_version: int) -> None:
+        super().__init__(message)
+        self.format_version = format_version

@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from strata.errors import TierError
+from strata.errors import ShardCorrupt, TierError
 from strata.restore.plan import LOCAL_TIERS, RankInventory
 from strata.tiers.base import StepListing, Tier
 from strata.tiers.records import committed_steps, read_incarnations, read_manifest_raw
@@ -30,6 +30,8 @@ def collect_inventory(
     this rank), and without a record for this rank alone, with its shard's incarnation (the
     plan only combines shards of one live incarnation). Every incarnation record
     found goes into the inventory for the plan's lineage.
+    A manifest that fails its seal or names another shard is a corrupt copy: it is quarantined
+    there (issue 11), so it is never listed again and never served.
     """
     committed: dict[str, dict[int, frozenset[int]]] = {}
     partial: dict[str, dict[int, frozenset[int]]] = {}
@@ -148,8 +150,16 @@ def _global_commit(
 
 
 def _why_unreadable(tier: Tier, job_id: str, step: int, entry: StepListing) -> str:
-    try:
-        tier.get_manifest(job_id, step, min(entry.committed_ranks))
-    except TierError as exc:
-        return str(exc)
-    return "no readable manifest (malformed or written by another Strata version)"
+    why: list[str] = []
+    for rank in sorted(entry.committed_ranks):
+        try:
+            tier.get_manifest(job_id, step, rank)
+        except ShardCorrupt as exc:
+            try:
+                tier.quarantine(job_id, step, rank, str(exc))
+                why.append(f"{exc} (quarantined)")
+            except TierError as qexc:
+                why.append(f"{exc} (quarantine failed: {qexc})")
+        except TierError as exc:
+            why.append(str(exc))
+    return "; ".join(why) or "no readable manifest (malformed or written by another Strata version)"

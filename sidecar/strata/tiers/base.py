@@ -33,7 +33,7 @@ from pathlib import Path
 
 from strata.config import TierName
 from strata.errors import ManifestError, ShardCorrupt, ShardUnavailable, TierError
-from strata.format.manifest import FORMAT_VERSION, Manifest
+from strata.format.manifest import FORMAT_VERSION, Manifest, ManifestVersionError
 
 
 def parse_manifest(
@@ -41,13 +41,16 @@ def parse_manifest(
 ) -> Manifest:
     """Parse a stored manifest and check it is the shard asked for (every tier reads this way).
 
-    Raises :class:`ShardCorrupt` when it is malformed or names another step or rank (quarantine
-    it), and :class:`ShardUnavailable` for another format version or another job: those are not
+    The manifest's seal (its CRC32C trailer, :mod:`strata.format.sealed`) is verified on
+    ``raw`` before any field is read. Raises :class:`ShardCorrupt` when it does not verify, is
+    malformed or names another step or rank (quarantine it), and :class:`ShardUnavailable` for another format version or another job: those are not
     corruption, so the copy is skipped, never quarantined. ``job_hint``: where the job id comes
     from in this tier, appended to the "another job" message.
     """
     try:
         m = Manifest.from_json(raw, where)
+    except ManifestVersionError as exc:
+        raise ShardUnavailable(str(exc)) from None
     except ManifestError as exc:
         raise ShardCorrupt(f"{exc}; quarantine it and restore from another tier") from None
     if m.format_version != FORMAT_VERSION:
