@@ -270,7 +270,7 @@ _UPLOADER = textwrap.dedent(
     from strata.tiers.gcs import GcsTier
 
     cfg = GcsTierConfig.model_validate_json(os.environ["CFG"])
-    manifest = Manifest.model_validate_json(Path(os.environ["MANIFEST"]).read_bytes())
+    manifest = Manifest.from_json(Path(os.environ["MANIFEST"]).read_bytes(), "MANIFEST")
     tier = GcsTier(cfg, writer_id=os.environ["WRITER"], retry_timeout=10)
     print("uploading", flush=True)
     tier.put_shard(manifest.job_id, manifest.step, manifest.rank, Path(os.environ["SRC"]), manifest)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from strata.format import codec
-from strata.tiers.slots import SlotMaps
+from strata.tiers.slots import SlotMaps, path_identity
 
 log = logging.getLogger("strata.client")
 
@@ -150,27 +150,25 @@ class RegisteredSlotMaps(SlotMaps):
 
     def get(self, path: Path) -> mmap.mmap:
         size = os.stat(path).st_size
+        ident = path_identity(path)  # a replaced slot is remapped (issue 11)
         with self._lock:
             cur = self._maps.get(path)
-            if cur is not None and cur[0] == size:
-                self._register(path, cur[1])
-                return cur[1]
+            if cur is not None and cur.size == size and cur.ident == ident:
+                self._register(path, cur.mm)
+                return cur.mm
         # Map (and pre-fault) outside the lock: a background pre-map of one slot must not hold
-        # up a save into another.
-        fd = os.open(path, os.O_RDWR)
-        try:
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        finally:
-            os.close(fd)
+        # up a save into another. The mapping keeps its mapping lease (strata.tiers.slots).
+        entry = self._map(path)
         with self._lock:
             cur = self._maps.get(path)
-            if cur is not None and cur[0] == size:
-                mm.close()
-                mm = cur[1]
+            if cur is not None and cur.size == entry.size and cur.ident == entry.ident:
+                self._release(entry)
+                mm = cur.mm
             else:
                 if cur is not None:
                     self._close(path)
-                self._maps[path] = (size, mm)
+                self._maps[path] = entry
+                mm = entry.mm
             self._register(path, mm)
             return mm
 

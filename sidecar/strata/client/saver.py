@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from strata import faults
 from strata.client.cadence import ComponentCadence
 from strata.client.cuda_host import (
     CopyHandle,
@@ -53,7 +54,7 @@ from strata.client.cuda_host import (
 )
 from strata.client.unchanged import Snapshot, UnchangedTracker
 from strata.config import Interval
-from strata.errors import ShardUnavailable, StateChanged
+from strata.errors import ShardUnavailable, StateChanged, TierError
 from strata.format import codec, layout
 from strata.format.encode_cache import EncodeCache
 from strata.format.manifest import DEFAULT_CHUNK_SIZE
@@ -241,21 +242,37 @@ class Saver:
     def _save(self, step: int, state: Any, replicated: bool | Collection[str] | None) -> int:
         enc = self._encode(state, replicated)
         stream = self._stream(enc)
-        with SlotWriteLock.acquire(
-            self.slot_provider, self.job_id, self.rank, enc.data_nbytes
-        ) as slot:
-            mm = self._maps.get(slot)
+        lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
+        with lock:
+            mm = self._mapping(lock)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             try:
                 copy_to_host(enc, dst, self.copy_pool, stream).wait()
             finally:
                 del dst
-            self._commit(step, enc, slot, [_version(t) for t in enc.live])
+            self._commit(step, enc, lock, [_version(t) for t in enc.live])
         return enc.data_nbytes
 
-    def _commit(self, step: int, enc: codec.EncodedState, slot: Any, versions: list[int]) -> None:
-        """Commit the copied slot; ``versions``: the version counters of ``enc.live`` as of
-        the bytes copied (the "unchanged since" hint, :mod:`strata.client.unchanged`)."""
+    def _mapping(self, lock: SlotWriteLock) -> Any:
+        """The mapping of exactly the inode ``lock`` holds (issue 11: the trainer never writes
+        through a mapping of a file that is no longer the slot). Raises TierError."""
+        mm = self._maps.get(lock.path)
+        if self._maps.identity(lock.path) != lock.identity:
+            self._maps.forget(lock.path)
+            mm = self._maps.get(lock.path)
+            if self._maps.identity(lock.path) != lock.identity:
+                raise TierError(
+                    f"RAM slot {lock.path} was replaced while locked; this save is skipped"
+                )
+        return mm
+
+    def _commit(
+        self, step: int, enc: codec.EncodedState, lock: SlotWriteLock, versions: list[int]
+    ) -> None:
+        """Commit the copied slot ``lock`` holds (checked to be the inode written, issue 11);
+        ``versions``: the version counters of ``enc.live`` as of the bytes copied (the
+        "unchanged since" hint, :mod:`strata.client.unchanged`)."""
+        faults.point("save.copied")
         manifest = enc.manifest(
             job_id=self.job_id,
             step=step,
@@ -267,7 +284,9 @@ class Saver:
         slow = self._component_steps.pop(step, None)
         if slow:
             manifest = manifest.model_copy(update={"component_steps": slow})
-        self.ram.commit_slot(self.job_id, step, self.rank, slot, manifest)
+        self.ram.commit_slot(
+            self.job_id, step, self.rank, lock.path, manifest, expect=lock.identity
+        )
         snap = Snapshot(list(enc.live), versions, list(enc.sources))
         fut = self._bg.submit(self._checksum, step, manifest.created.isoformat(), snap)
         with self._pending_lock:
@@ -283,7 +302,7 @@ class Saver:
         stream = self._stream(enc)
         lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
         try:
-            mm = self._maps.get(lock.path)
+            mm = self._mapping(lock)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             handle = copy_to_host(enc, dst, self.copy_pool, stream, background=self._overlap)
         except BaseException:
@@ -321,7 +340,7 @@ class Saver:
                         "committed; call wait_copied() (or let optimizer.step() do it) before "
                         "changing the state"
                     )
-                self._commit(step, enc, lock.path, versions)
+                self._commit(step, enc, lock, versions)
             finally:
                 lock.release()
         except Exception as exc:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata import faults
 from strata.errors import ShardCorrupt, ShardUnavailable, StageError, TierError
 from strata.format.incremental import logical_nbytes
 from strata.format.manifest import Manifest
@@ -185,7 +186,9 @@ def stage_into_ram(
             verify_in_place=verify_in_place,
         )
         if res.tier != ram.name:
-            ram.commit_slot(job_id, step, rank, res.path, res.manifest)
+            faults.point("stage.copied")
+            expect = next((lk.identity for lk in locks if lk.path == res.path), None)
+            ram.commit_slot(job_id, step, rank, res.path, res.manifest, expect=expect)
             res.path = ram.data_path(job_id, step, rank)
         return res
     finally:

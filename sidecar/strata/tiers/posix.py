@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from strata import faults
 from strata.config import TierName
 from strata.errors import ShardCorrupt, ShardUnavailable, TierError, TierFull
 from strata.format import crc, layout
@@ -413,6 +414,7 @@ class PosixTier(PosixRecords, Tier):
                     with contextlib.suppress(OSError):
                         d.rmdir()
                     raise
+            faults.point("posix.data_written")
             tmp = man.with_name(f"{man.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self._write_file(tmp, manifest.to_json(), written)
             os.rename(tmp, man)

@@ -34,16 +34,19 @@ import os
 import uuid
 from pathlib import Path
 
+from strata import faults
 from strata.errors import ShardUnavailable, TierError, TierFull
 from strata.format import crc, layout
 from strata.format.manifest import Manifest
 from strata.tiers.base import InPlaceShard
 from strata.tiers.posix import PosixTier, copy_range, remove_quietly
 from strata.tiers.slots import (
+    Identity,
     LocalSlotProvider,
     SlotLease,
     SlotState,
     SlotWriteLock,
+    path_identity,
     slot_ranks_in,
     slots_dir,
 )
@@ -129,13 +132,24 @@ class RamTier(PosixTier):
             self.step_dir(job_id, step).rmdir()
 
     def commit_slot(
-        self, job_id: str, step: int, rank: int, slot: Path, manifest: Manifest
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        slot: Path,
+        manifest: Manifest,
+        expect: Identity | None = None,
     ) -> None:
         """Commit ``slot`` (already holding the data) as rank ``rank``'s shard of ``step``.
 
         Links the slot as ``rank-R.data`` (replacing a stale partial link, and un-committing a
         previous copy of the same shard first), then writes the manifest under a temporary name
-        and renames it: the commit point. The caller holds ``LOCK_EX`` on the slot.
+        and renames it: the commit point. The caller holds ``LOCK_EX`` on the slot; ``expect``
+        is the ``(st_dev, st_ino)`` of the inode it wrote (:attr:`SlotWriteLock.identity`).
+        The data link is checked to be that inode before the manifest is written and again
+        after it; when it is not (the slot was replaced, or the link removed under us), the
+        shard is un-committed and :class:`TierError` raised, so a save never reports a commit
+        whose data is not the bytes it wrote (issue 11, failures 1 and 2).
         """
         manifest.check_identity(job_id, step, rank, None)
         d = self.step_dir(job_id, step)
@@ -143,14 +157,28 @@ class RamTier(PosixTier):
         data = self.data_path(job_id, step, rank)
         man = self.manifest_path(job_id, step, rank)
         remove_quietly(man)
-        try:
-            same = os.stat(data).st_ino == os.stat(slot).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:
+        want = expect if expect is not None else path_identity(slot)
+        if want is None or path_identity(slot) != want:
+            raise TierError(
+                f"RAM slot {slot} is no longer the file that was written; this save is skipped "
+                "(the previous committed step is intact)"
+            )
+        if path_identity(data) != want:
             remove_quietly(data)
             os.link(slot, data)
+        if path_identity(data) != want:
+            self.uncommit(job_id, step, rank)
+            raise TierError(f"{data}: linked to another file than RAM slot {slot}; save skipped")
+        faults.point("commit.linked")
         self.write_manifest(job_id, step, rank, manifest)
+        if path_identity(data) != want:
+            self.uncommit(job_id, step, rank)
+            raise TierError(
+                f"{data}: removed or replaced while rank {rank} of step {step} was being "
+                "committed (a sidecar restarting and pruning?); the step was un-committed and "
+                "this save is skipped"
+            )
+        faults.point("commit.done")
 
     def write_manifest(self, job_id: str, step: int, rank: int, manifest: Manifest) -> None:
         """Atomically (temp name + rename) write the shard's manifest."""
@@ -201,6 +229,7 @@ class RamTier(PosixTier):
         if m is None:
             return None
         crcs, whole = crc.file_chunk_crcs(lease.path, m.data_nbytes, m.chunk_size)
+        faults.point("seal.before")
         return self.update_checksums(
             lease.job_id, lease.step, lease.rank, crcs, whole, unchanged_since
         )
@@ -248,7 +277,8 @@ class RamTier(PosixTier):
         if verify_source and manifest.verified:
             self.verify_file(src, manifest)
         provider = LocalSlotProvider(self, keep=self.keep)
-        with SlotWriteLock.acquire(provider, job_id, rank, manifest.data_nbytes) as slot:
+        lock = SlotWriteLock.acquire(provider, job_id, rank, manifest.data_nbytes)
+        with lock as slot:
             sfd = os.open(src, os.O_RDONLY)
             dfd = os.open(slot, os.O_WRONLY)
             try:
@@ -260,7 +290,7 @@ class RamTier(PosixTier):
             finally:
                 os.close(sfd)
                 os.close(dfd)
-            self.commit_slot(job_id, step, rank, slot, manifest)
+            self.commit_slot(job_id, step, rank, slot, manifest, expect=lock.identity)
         return manifest.data_nbytes
 
     def quarantine(self, job_id: str, step: int, rank: int, reason: str) -> None:

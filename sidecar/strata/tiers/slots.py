@@ -5,6 +5,24 @@ Why and how: see :mod:`strata.tiers.ram`. Paths come from :mod:`strata.format.la
 process: :class:`LocalSlotProvider`; the sidecar serves it over its socket), :class:`SlotLease`
 the readers' shared lock, :class:`SlotWriteLock` the writer's exclusive lock, :class:`SlotMaps`
 the writer's persistent mappings.
+
+Ownership across restarts (issue 11; docs/architecture.md "RAM tier and the training stall"):
+
+- **Writing** a slot needs ``flock(LOCK_EX)`` on it (:class:`SlotWriteLock`); reading needs
+  ``LOCK_SH`` (:class:`SlotLease`). Both die with their process, so a restarted trainer or
+  sidecar never inherits a stale lock.
+- **Mapping** a slot is proven by a *mapping lease*: an open-file-description (OFD) read lock on
+  one byte far beyond the end of the slot (:data:`MAP_LEASE_OFFSET`), held by the mapping's own
+  file descriptor for the life of the mapping (:func:`mapped_elsewhere` tests it). It does not
+  interact with the flock locks and dies with the process too.
+- **Deleting** a slot file (start-up pruning of a grown ring) needs ``LOCK_EX`` and no mapping
+  lease (:func:`remove_slot_if_unused`); nothing ever shrinks a slot below the size it had when
+  someone mapped it (slots only grow, under ``LOCK_EX``).
+- **Identity**: the writer maps the inode it holds ``LOCK_EX`` on (checked by ``(st_dev,
+  st_ino)`` against the slot's path), and commit checks that the step's data link is that same
+  inode before and after the manifest is written (:meth:`strata.tiers.ram.RamTier.commit_slot`):
+  the trainer never writes through a mapping of a file that is no longer the slot, and a save
+  whose data link was removed under it fails instead of reporting success.
 """
 
 from __future__ import annotations
@@ -14,13 +32,14 @@ import fcntl
 import logging
 import mmap
 import os
+import struct
 import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from strata.errors import ShardUnavailable, SlotsBusy, TierError, TierFull
 from strata.format import layout
@@ -111,6 +130,78 @@ def _unlock(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+Identity = tuple[int, int]
+"""``(st_dev, st_ino)`` of a slot file: which inode a path or a descriptor names."""
+
+
+def identity_of(st: os.stat_result) -> Identity:
+    return (st.st_dev, st.st_ino)
+
+
+def path_identity(path: Path) -> Identity | None:
+    """The identity of the file at ``path`` now (None: no such file)."""
+    try:
+        return identity_of(os.stat(path))
+    except FileNotFoundError:
+        return None
+
+
+MAP_LEASE_OFFSET = 1 << 62
+"""Byte offset of the mapping lease (an OFD lock beyond any slot's end; locks past EOF are
+allowed and cost nothing)."""
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_FLOCK = "hhqqi4x"
+"""struct flock on 64-bit Linux: l_type, l_whence, (pad), l_start, l_len, l_pid, (pad)."""
+
+
+def _ofd_lock(fd: int, kind: int) -> bool:
+    """Take (or with F_UNLCK drop) an OFD lock of ``kind`` on the mapping-lease byte without
+    waiting; False when another open file description holds a conflicting one."""
+    arg = struct.pack(_FLOCK, kind, os.SEEK_SET, MAP_LEASE_OFFSET, 1, 0)
+    try:
+        fcntl.fcntl(fd, _F_OFD_SETLK, arg)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def take_mapping_lease(fd: int) -> None:
+    """Declare that the mapping made from ``fd``'s file lives as long as ``fd`` stays open."""
+    if not _ofd_lock(fd, fcntl.F_RDLCK):
+        raise TierError("a RAM slot is being deleted while it is mapped; retry the save")
+
+
+def mapped_elsewhere(fd: int) -> bool:
+    """Whether some live process holds a mapping lease on ``fd``'s file."""
+    arg = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, MAP_LEASE_OFFSET, 1, 0)
+    res = fcntl.fcntl(fd, _F_OFD_GETLK, arg)
+    return bool(struct.unpack(_FLOCK, res)[0] != fcntl.F_UNLCK)
+
+
+def remove_slot_if_unused(path: Path) -> bool:
+    """Delete the slot file ``path`` only when nobody writes, reads or maps it; True if deleted.
+
+    Takes ``LOCK_EX | LOCK_NB`` (no writer, no reader) and then the mapping-lease byte for
+    writing (no live mapping); a slot that is linked as a step's data is never deleted.
+    """
+    fd = _try_lock(path, fcntl.LOCK_EX)
+    if fd is None:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_nlink != 1 or path_identity(path) != identity_of(st):
+            return False
+        if not _ofd_lock(fd, fcntl.F_WRLCK):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        _unlock(fd)
 
 
 class SlotProvider(Protocol):
@@ -340,11 +431,30 @@ class SlotWriteLock:
             path = provider.acquire_slot(job_id, rank, nbytes, exclude)
             fd = _try_lock(path, fcntl.LOCK_EX)
             if fd is not None:
-                if os.fstat(fd).st_nlink == 1 and os.fstat(fd).st_size >= nbytes:
+                st = os.fstat(fd)
+                # Still the slot (not deleted or replaced since the provider listed it), free
+                # (no step links it) and large enough.
+                if (
+                    st.st_nlink == 1
+                    and st.st_size >= nbytes
+                    and path_identity(path) == identity_of(st)
+                ):
                     return cls(path, fd)
                 _unlock(fd)
             exclude.append(path)
         raise SlotsBusy(f"no lockable RAM slot for rank {rank} after {attempts} attempts")
+
+    @property
+    def fd(self) -> int:
+        """The descriptor holding ``LOCK_EX`` (valid until :meth:`release`)."""
+        if self._fd is None:
+            raise TierError(f"RAM slot lock on {self.path} was already released")
+        return self._fd
+
+    @property
+    def identity(self) -> Identity:
+        """``(st_dev, st_ino)`` of the locked slot inode."""
+        return identity_of(os.fstat(self.fd))
 
     def release(self) -> None:
         if self._fd is not None:
@@ -363,38 +473,75 @@ class SlotWriteLock:
         self.release()
 
 
+class SlotMap(NamedTuple):
+    """One persistent mapping: ``size`` bytes of the inode ``ident``, kept alive with the
+    mapping lease held by ``fd`` (closed with the mapping)."""
+
+    size: int
+    mm: mmap.mmap
+    ident: Identity
+    fd: int
+
+
 class SlotMaps:
     """Persistent writable mappings of slot files (``MAP_SHARED | MAP_POPULATE``), by path.
 
     Mapping a pre-allocated tmpfs file with MAP_POPULATE wires its pages into this process's
-    page table once, so later copies into it take no page faults. A slot whose size changed
-    (grown) is remapped.
+    page table once, so later copies into it take no page faults. Each mapping keeps its own
+    file descriptor open with a mapping lease (:func:`take_mapping_lease`), so start-up pruning
+    of a restarted sidecar never deletes a slot this process maps. A cached mapping is reused
+    only while the path still names the same inode at the same size (a replaced or grown slot
+    is remapped); a writer compares :meth:`identity` with its lock's inode before writing.
     """
 
     def __init__(self) -> None:
-        self._maps: dict[Path, tuple[int, mmap.mmap]] = {}
+        self._maps: dict[Path, SlotMap] = {}
 
     def get(self, path: Path) -> mmap.mmap:
-        size = os.stat(path).st_size
+        """A writable mapping of the file at ``path`` now."""
+        ident = path_identity(path)
         cur = self._maps.get(path)
-        if cur is not None and cur[0] == size:
-            return cur[1]
+        if cur is not None and cur.ident == ident and cur.size == os.stat(path).st_size:
+            return cur.mm
         if cur is not None:
             self._close(path)
+        entry = self._map(path)
+        self._maps[path] = entry
+        return entry.mm
+
+    def identity(self, path: Path) -> Identity | None:
+        """The inode the cached mapping of ``path`` maps (None: not mapped)."""
+        cur = self._maps.get(path)
+        return cur.ident if cur is not None else None
+
+    def forget(self, path: Path) -> None:
+        """Drop the mapping of ``path`` (if any)."""
+        if path in self._maps:
+            self._close(path)
+
+    @staticmethod
+    def _map(path: Path) -> SlotMap:
+        """Open, lease and map ``path`` (its whole current size)."""
         fd = os.open(path, os.O_RDWR)
         try:
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        finally:
+            st = os.fstat(fd)
+            take_mapping_lease(fd)
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
             os.close(fd)
-        self._maps[path] = (size, mm)
-        return mm
+            raise
+        return SlotMap(st.st_size, mm, identity_of(st), fd)
+
+    @staticmethod
+    def _release(entry: SlotMap) -> None:
+        try:
+            entry.mm.close()
+        except BufferError:
+            log.debug("a slot map is still exported; left to the garbage collector")
+        os.close(entry.fd)
 
     def _close(self, path: Path) -> None:
-        _, mm = self._maps.pop(path)
-        try:
-            mm.close()
-        except BufferError:
-            log.debug("slot map %s still exported; left to the garbage collector", path)
+        self._release(self._maps.pop(path))
 
     def close(self) -> None:
         for path in list(self._maps):

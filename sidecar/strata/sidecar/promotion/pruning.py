@@ -8,10 +8,12 @@ slots. :func:`prune_ram` removes all of it, so the ring is back to ``keep + 1`` 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 
 from strata.tiers.ram import RamTier
+from strata.tiers.slots import identity_of, path_identity, remove_slot_if_unused
 
 log = logging.getLogger("strata.promotion")
 
@@ -34,8 +36,9 @@ def prune_ram(ram: RamTier, job_id: str, keep: int) -> list[tuple[int, int]]:
         for step, listing in sorted(listings.items()):
             if step == newest or rank not in (listing.committed_ranks | listing.partial_ranks):
                 continue
-            ram.uncommit(job_id, step, rank)
-            removed.append((step, rank))
+            was_committed = rank in listing.committed_ranks
+            if _uncommit_unless_in_use(ram, job_id, step, rank, was_committed):
+                removed.append((step, rank))
     for step in listings:
         d = ram.step_dir(job_id, step)
         try:
@@ -55,15 +58,55 @@ def prune_ram(ram: RamTier, job_id: str, keep: int) -> list[tuple[int, int]]:
     return removed
 
 
+def _uncommit_unless_in_use(
+    ram: RamTier, job_id: str, step: int, rank: int, was_committed: bool
+) -> bool:
+    """Un-commit a shard only while holding ``LOCK_EX`` on its data (no writer mid-commit, no
+    reader), re-checking under the lock that it is still as listed (a partial step that a live
+    writer committed meanwhile is kept); True if removed."""
+    data = ram.data_path(job_id, step, rank)
+    try:
+        fd = os.open(data, os.O_RDONLY)
+    except FileNotFoundError:
+        # A manifest without data, or leftovers: nothing can be writing through it.
+        ram.uncommit(job_id, step, rank)
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("start-up: RAM step %d rank %d is in use; left alone", step, rank)
+            return False
+        if path_identity(data) != identity_of(os.fstat(fd)):
+            return False
+        if not was_committed and ram.manifest_path(job_id, step, rank).exists():
+            return False
+        ram.uncommit(job_id, step, rank)
+        return True
+    finally:
+        os.close(fd)
+
+
 def shrink_slot_rings(ram: RamTier, job_id: str, keep: int) -> None:
-    """Release free slots beyond ``keep + 1`` per rank (highest slot names first)."""
+    """Release free slots beyond ``keep + 1`` per rank (highest slot names first).
+
+    A slot is deleted only when nobody writes, reads or maps it
+    (:func:`strata.tiers.slots.remove_slot_if_unused`): a trainer that kept running while its
+    sidecar restarted keeps every slot it maps (issue 11, failure 1).
+    """
     for rank in ram.slot_ranks(job_id):
         states = ram.slot_states(job_id, rank)
         free = [s for s in states if not s.steps]
         extra = len(states) - (keep + 1)
-        for s in sorted(free, key=lambda s: s.path.name, reverse=True)[: max(0, extra)]:
+        for s in sorted(free, key=lambda s: s.path.name, reverse=True):
+            if extra <= 0:
+                break
             try:
-                s.path.unlink()
+                gone = remove_slot_if_unused(s.path)
             except OSError:
                 continue
-            log.info("start-up: removed surplus RAM slot %s", s.path)
+            if gone:
+                extra -= 1
+                log.info("start-up: removed surplus RAM slot %s", s.path)
+            else:
+                log.info("start-up: surplus RAM slot %s is in use (mapped); kept", s.path)

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+from strata import faults
 from strata.config import StrataConfig, TierName
 from strata.errors import CommitError, ShardCorrupt, ShardUnavailable, TierError
 from strata.format.manifest import Manifest
@@ -297,6 +298,7 @@ class PromotionEngine:
         (nor the SIGTERM flush to it). Never raises for a tier or shard failure (see the module
         docstring); returns what happened.
         """
+        faults.point("promotion.round")
         result = RoundResult()
         listing = self.ram_steps()  # one listing of the RAM tier per round
         ranks = self.local_ranks(listing)  # and one snapshot of the current incarnation

@@ -17,6 +17,7 @@ from google.api_core import exceptions as gexc
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption
 
+from strata import faults
 from strata.errors import ManifestError, ShardCorrupt, ShardUnavailable, TierError
 from strata.format import layout
 from strata.format.manifest import Manifest
@@ -297,6 +298,7 @@ class GcsUploader(GcsBucket):
     def _put_manifest(
         self, job_id: str, step: int, rank: int, manifest: Manifest, data_generation: int
     ) -> None:
+        faults.point("gcs.data_uploaded")
         key = layout.manifest_key(job_id, step, rank)
         name = self.object_name(key)
         blob = self._bucket.blob(name)
