@@ -266,7 +266,9 @@ def test_c06_recreated_pod_restores_from_the_pvc_through_the_sidecar(
     model = torch.nn.Linear(8, 4)
     state = {"model": model.state_dict(), "step": 0}
     with Checkpointer(config, rank=0, world_size=1) as ckpt:
-        assert isinstance(ckpt.stager, SidecarClient)  # auto-detected sidecar
+        assert isinstance(
+            getattr(ckpt.stager, "sidecar", None), SidecarClient
+        )  # auto-detected sidecar
         state["step"] = 50
         assert ckpt.save(50, state)
         ckpt.wait()
@@ -281,7 +283,7 @@ def test_c06_recreated_pod_restores_from_the_pvc_through_the_sidecar(
     fresh = torch.nn.Linear(8, 4)
     target = {"model": fresh.state_dict(), "step": -1}
     with Checkpointer(config, rank=0, world_size=1) as ckpt:
-        assert isinstance(ckpt.stager, SidecarClient)
+        assert isinstance(getattr(ckpt.stager, "sidecar", None), SidecarClient)
         result = ckpt.restore(target)
     assert result.step == 50 and result.tier == "pvc"
     assert target["step"] == 50

@@ -267,8 +267,18 @@ class Checkpointer:
 
             sidecar = connect(self.config.socket)
             if sidecar is not None:
+                from strata.client.fallback import SidecarFallbackStager
+
                 reuse = LocalSlotProvider(self.ram, keep=self.config.ram.keep, allocate=False)
-                slot_provider, stager = ReuseFirstSlotProvider(reuse, sidecar), sidecar
+                slot_provider = ReuseFirstSlotProvider(reuse, sidecar)
+                # A restore survives the sidecar going away: direct tier access (issue 11).
+                direct = LocalStager(
+                    self._restore_tiers,
+                    self.ram,
+                    LocalSlotProvider(self.ram, keep=self.config.ram.keep),
+                    self.config.restore.verify,
+                )
+                stager = SidecarFallbackStager(sidecar, direct)
             elif self.config.pvc is not None or self.config.gcs is not None:
                 # Promotion is the sidecar's job; without one, checkpoints stay in RAM only.
                 log.warning(

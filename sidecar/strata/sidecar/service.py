@@ -52,6 +52,8 @@ log = logging.getLogger("strata.sidecar")
 
 TERM_MARGIN_SECONDS = 5.0
 """Seconds kept between the flush deadline and the pod's SIGKILL (last report, exit)."""
+TERM_POLL_SECONDS = 0.5
+"""The main thread wakes this often to run a pending SIGTERM handler (see :meth:`Sidecar.serve`)."""
 HEARTBEAT_SECONDS = 10.0
 REPORT_SECONDS = 15.0
 
@@ -388,5 +390,9 @@ class Sidecar:
         self.start_metrics()
         self.start_up()
         self.start_background()
-        self.terminate.wait()
+        # A timed wait: a process-directed SIGTERM may be delivered to any thread; CPython runs
+        # the handler only when the main thread next executes bytecode, which an untimed
+        # Event.wait() never does (issue 11, failure 7).
+        while not self.terminate.wait(TERM_POLL_SECONDS):
+            pass
         return self.shutdown()

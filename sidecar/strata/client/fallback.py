@@ -1,0 +1,135 @@
+"""Restore that survives the sidecar disappearing (issue 11, failure 4).
+
+:class:`SidecarFallbackStager` is the :class:`strata.client.checkpointer.Stager` a trainer uses
+when a sidecar answered at start-up. Each inventory or staging call goes to the sidecar; when
+the sidecar stops answering (its container crashed, was OOM-killed or is restarting:
+:class:`strata.errors.ProtocolError`), it waits up to ``wait_seconds`` for a sidecar to answer
+again and retries there once, else it does that call itself with direct tier access
+(``local``). Either way it says what happened in the inventory's notes or the staging result's
+``skipped``, which :meth:`Checkpointer.restore` returns in ``RestoreResult.skipped``. A restore
+therefore never raises because the sidecar went away while every tier is intact.
+
+torch-free (imported with :mod:`strata.client.sidecar_client`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+from strata.errors import ProtocolError
+from strata.protocol import RestoreEvent, SaveEvent
+from strata.restore import RankInventory, StageResult
+
+log = logging.getLogger("strata.client")
+
+T = TypeVar("T")
+
+
+class _Stager(Protocol):
+    def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory: ...
+
+    def stage(
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        sources: Sequence[str] | None = None,
+    ) -> StageResult: ...
+
+
+class _Sidecar(_Stager, Protocol):
+    def ready(self) -> bool: ...
+
+    def report(self, event: SaveEvent | RestoreEvent) -> None: ...
+
+
+class SidecarFallbackStager:
+    """Sidecar first; on a :class:`ProtocolError`, wait up to ``wait_seconds`` (polling every
+    ``poll_seconds``) for it, retry once, else use ``local`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        sidecar: _Sidecar,
+        local: _Stager,
+        wait_seconds: float = 10.0,
+        poll_seconds: float = 0.2,
+    ) -> None:
+        self.sidecar = sidecar
+        self.local = local
+        self.wait_seconds = wait_seconds
+        self.poll_seconds = poll_seconds
+        self.defers_in_place_verify = False
+        """Whether the last staging left a RAM hit unverified (the local stager does; the
+        sidecar verifies in place)."""
+
+    def _call(
+        self, what: str, on_sidecar: Callable[[], T], locally: Callable[[], T]
+    ) -> tuple[T, str | None]:
+        try:
+            return on_sidecar(), None
+        except ProtocolError as exc:
+            first = exc
+        deadline = time.monotonic() + self.wait_seconds
+        while time.monotonic() < deadline:
+            if self.sidecar.ready():
+                try:
+                    return on_sidecar(), (
+                        f"sidecar: stopped answering during the restore's {what} ({first}); "
+                        "it answered again and served it"
+                    )
+                except ProtocolError as exc:
+                    first = exc
+                    break
+            time.sleep(self.poll_seconds)
+        note = (
+            f"sidecar: stopped answering during the restore's {what} ({first}); waited "
+            f"{self.wait_seconds:.0f} s, then read the tiers directly"
+        )
+        log.warning("strata restore: %s", note)
+        return locally(), note
+
+    def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory:
+        inv, note = self._call(
+            "inventory",
+            lambda: self.sidecar.inventory(job_id, rank, world_size),
+            lambda: self.local.inventory(job_id, rank, world_size),
+        )
+        if note is None:
+            return inv
+        return dataclasses.replace(inv, notes=(note, *inv.notes))
+
+    def stage(
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        sources: Sequence[str] | None = None,
+    ) -> StageResult:
+        used_local = False
+
+        def locally() -> StageResult:
+            nonlocal used_local
+            used_local = True
+            return self.local.stage(job_id, step, rank, world_size, sources)
+
+        res, note = self._call(
+            f"staging of step {step}",
+            lambda: self.sidecar.stage(job_id, step, rank, world_size, sources),
+            locally,
+        )
+        self.defers_in_place_verify = used_local and bool(
+            getattr(self.local, "defers_in_place_verify", False)
+        )
+        if note is not None:
+            res.skipped.insert(0, note)
+        return res
+
+    def report(self, event: SaveEvent | RestoreEvent) -> None:
+        """Best effort to the sidecar (never raises)."""
+        self.sidecar.report(event)
