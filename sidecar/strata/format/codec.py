@@ -847,8 +847,13 @@ def load_into(
       ``resolve`` (the client's resharding restore, :mod:`strata.client.sharded`); without one
       it loads as this shard's chunk (None where another rank stored the bytes).
 
-    The returned tree holds the live objects where they were updated in place.
+    The returned tree holds the live objects where they were updated in place. The whole tree
+    is checked against the live state first (:func:`strata.format.fit.check_fits`): a
+    mismatch raises one :class:`CodecError` naming the paths, and nothing is written.
     """
+    from strata.format.fit import check_fits
+
+    check_fits(state, manifest, where)
     dec = _Decoder(manifest, data, where, resolve)
     dec.sink, dec.flush = sink, flush
     with torch.no_grad():
