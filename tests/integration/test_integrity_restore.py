@@ -20,7 +20,8 @@ def model_and_opt(groups: int, seed: int) -> tuple[torch.nn.Module, torch.optim.
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     params = list(model.parameters())
     if groups == 2:
-        opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 1e-4}])
+        groups_: list[dict[str, Any]] = [{"params": params[:2]}, {"params": params[2:], "lr": 1e-4}]
+        opt = torch.optim.AdamW(groups_)
     else:
         opt = torch.optim.AdamW(params)
     model(torch.randn(2, 8)).sum().backward()
