@@ -38,6 +38,11 @@ class TierState(_Model):
     newest_committed_step: Annotated[int, Field(ge=0)] | None = None
     """Newest step with at least one of this pod's shards committed in this tier."""
     complete_steps: Annotated[int, Field(ge=0)] = 0
+    too_small: Annotated[str, Field(max_length=1024)] | None = None
+    """Set while the tier cannot take ``keep + 1`` steps (a step failed with no space left while
+    the tier held no more than ``keep`` complete older steps, so retention can free nothing and
+    promotion to it has stopped advancing): what was needed and what the tier has. The operator
+    shows it in the policy status (issue 11, failure 8)."""
 
 
 class Promotion(_Model):

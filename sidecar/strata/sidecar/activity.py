@@ -49,6 +49,7 @@ class Activity:
         self._restores: deque[Restore] = deque(maxlen=MAX_EVENTS)
         self._errors: deque[ReportedError] = deque(maxlen=MAX_EVENTS)
         self._tier_state_cache: dict[TierName, TierState] = {}
+        self._too_small: dict[TierName, str] = {}
 
     def on_promotion_event(self, event: PromotionEvent) -> None:
         m = self.metrics
@@ -74,6 +75,15 @@ class Activity:
             self.error(event.tier, f"checksum mismatch, quarantined: {event.message}")
         elif event.kind in ("retention", "gc"):
             m.retention_deleted.labels(tier=event.tier, reason=event.kind).inc()
+        elif event.kind == "too_small":
+            # message "": the tier takes steps again.
+            m.tier_too_small.labels(tier=event.tier).set(1 if event.message else 0)
+            with self._lock:
+                if event.message:
+                    self._too_small[event.tier] = event.message
+                else:
+                    self._too_small.pop(event.tier, None)
+            self.report_due.set()
 
     def error(self, tier: SourceName | None, message: str) -> None:
         with self._lock:
@@ -135,6 +145,7 @@ class Activity:
                 newest_complete_step=complete[-1] if complete else None,
                 newest_committed_step=max(any_local) if any_local else None,
                 complete_steps=len(complete),
+                too_small=self._too_small.get(tier.name),
             )
             out[tier.name] = state
             self._tier_state_cache[tier.name] = state

@@ -107,6 +107,12 @@ class Metrics:
             ["tier", "reason"],
             registry=r,
         )
+        self.tier_too_small = Gauge(
+            "strata_tier_too_small",
+            "1 while the tier cannot take keep + 1 steps (promotion to it is stuck), else 0",
+            ["tier"],
+            registry=r,
+        )
         self.reports_dropped = Counter(
             "strata_reports_dropped",
             "Operator reports dropped (queue full or retries exhausted)",

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from strata.config import TierName
-from strata.errors import ShardCorrupt, ShardUnavailable, TierError
+from strata.errors import ShardCorrupt, ShardUnavailable, TierError, TierFull
 from strata.format.incremental import incremental_manifest, plan_refs, worth_it
 from strata.format.incremental import same_logical_shard as _same
 from strata.format.manifest import Manifest
@@ -77,6 +77,8 @@ class ShardCopier:
         self._looked: set[tuple[TierName, int]] = set()
         self.attempts: dict[tuple[TierName, int, int], tuple[int, float]] = {}
         """(tier, step, rank) -> (failed attempts, not before this clock time)."""
+        self.full: dict[TierName, int] = {}
+        """Tier -> the step whose copy last failed with no space left (until it succeeds)."""
 
     def forget_older_than(self, step: int) -> None:
         for key in [k for k in self.attempts if k[1] < step]:
@@ -116,6 +118,8 @@ class ShardCopier:
             nbytes = self._copy(name, dest, step, rank, manifest)
             self._verify_copy(dest, step, rank)
         except Exception as exc:  # one bad shard never stops the engine
+            if isinstance(exc, TierFull):
+                self.full[name] = step
             attempts += 1
             self.attempts[key] = (
                 attempts,

@@ -17,6 +17,7 @@ EventKind = Literal[
     "sealed",
     "committed",
     "superseded",
+    "too_small",
 ]
 """``committed``: the step's global commit record was written in the tier (every rank's shard
 of one incarnation is there); ``superseded``: a shard of a superseded incarnation was removed

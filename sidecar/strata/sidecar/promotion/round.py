@@ -38,6 +38,7 @@ an event is set. Events (promotions, failures, deletions) go to ``on_event`` for
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -125,6 +126,8 @@ class PromotionEngine:
             t: threading.Lock() for t in self.durable
         }
         self._stopping = threading.Event()
+        self.too_small: dict[TierName, str] = {}
+        """Tier -> why it cannot take keep + 1 steps (see :meth:`_check_capacity`)."""
         self._started = clock()
         self.copier = ShardCopier(
             self.job_id,
@@ -456,7 +459,13 @@ class PromotionEngine:
             )
         failures = [msg for ok, _n, msg in outcomes if not ok]
         if failures:
+            if self.copier.full.get(name) == step:
+                self._check_capacity(name, step, manifests)
             return failures
+        self.copier.full.pop(name, None)
+        if self.too_small.pop(name, None) is not None:
+            log.info("the %s tier takes steps again", name, extra={"event": "tier_fits"})
+            self._emit(PromotionEvent("too_small", name, step, message=""))
         nbytes = sum(n for _ok, n, _msg in outcomes)
         seconds = self._clock() - started
         progress = self._progress[name]
@@ -505,6 +514,43 @@ class PromotionEngine:
                 extra={"event": "superseded", "tier": name, "step": step, "rank": rank},
             )
             self._emit(PromotionEvent("superseded", name, step, (rank,), message=why))
+
+    def _check_capacity(self, name: TierName, step: int, manifests: dict[int, Manifest]) -> None:
+        """After ``step`` failed with no space left on ``name``: when the tier holds no more
+        than ``keep`` complete older steps, retention can free nothing (it never deletes the
+        newest complete steps before a newer one is complete), so the tier is too small for
+        ``keep + 1`` steps and promotion to it has stopped for good: say so (metrics, log,
+        report; issue 11, failure 8)."""
+        tier = self.durable[name]
+        retention = self.policies[name].retention
+        try:
+            older = [s for s in tier.complete_steps(self.job_id) if s < step]
+        except TierError:
+            return
+        if retention.to_delete(older):
+            return  # retention still has something to delete
+        keep = int(getattr(retention, "n", len(older)))
+        m = next(iter(manifests.values()))
+        shard = max(mm.data_nbytes for mm in manifests.values())
+        step_bytes = shard * m.world_size
+        have = ""
+        root = getattr(tier, "root", None)
+        if root is not None:
+            try:
+                st = os.statvfs(root)
+                have = f"; the volume holds {st.f_blocks * st.f_frsize} bytes"
+            except OSError:
+                pass
+        why = (
+            f"the {name} tier is too small for keep + 1 = {keep + 1} steps of about "
+            f"{step_bytes} bytes each (step {step} did not fit next to {len(older)} complete "
+            f"older step(s) that retention keeps){have}; promotion to it is stuck. Enlarge the "
+            f"volume to at least {(keep + 1) * step_bytes} bytes or lower {name}.keep"
+        )
+        if self.too_small.get(name) != why:
+            log.error(why, extra={"event": "tier_too_small", "tier": name, "step": step})
+        self.too_small[name] = why
+        self._emit(PromotionEvent("too_small", name, step, message=why))
 
     # -- retention --------------------------------------------------------------------------------
 
