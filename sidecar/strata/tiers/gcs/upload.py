@@ -41,6 +41,15 @@ from strata.tiers.gcs.errors import (
 
 log = logging.getLogger(__name__)
 
+UPLOAD_BUFFER_BYTES = 8 * 1024 * 1024
+"""Bytes one upload request holds in memory (a resumable upload's chunk; a 256 KiB multiple).
+
+The client reads a resumable upload ``chunk_size`` bytes at a time (its default: 100 MiB, and
+a part of a composite upload is up to 1/32 of the shard), so without a fixed chunk the sidecar's
+memory grew with the shard (issue 11, failure 6: 612 MiB for a 2 GiB shard). With it, an upload
+holds at most ``max_workers`` buffers of this size (plus the client's copies of the one in
+flight), whatever the shard size; see README "Sidecar memory"."""
+
 
 class GcsUploader(GcsBucket):
     """The write path of the GCS tier."""
@@ -130,7 +139,7 @@ class GcsUploader(GcsBucket):
                 if nbytes > self.config.chunk_size_bytes:
                     blob = self._upload_composite(src, name, nbytes)
                 else:
-                    blob = self._bucket.blob(name)
+                    blob = self._bucket.blob(name, chunk_size=UPLOAD_BUFFER_BYTES)
                     blob.metadata = self._meta("data")
                     with open(src, "rb") as f:
                         try:
@@ -255,7 +264,7 @@ class GcsUploader(GcsBucket):
                 self._delete_quietly(part)
 
     def _upload_part(self, src: Path, offset: int, length: int, name: str) -> storage.Blob:
-        blob = self._bucket.blob(name)
+        blob = self._bucket.blob(name, chunk_size=UPLOAD_BUFFER_BYTES)
         blob.metadata = self._meta("part")
         with open(src, "rb") as raw:
             # A part above the client's 8 MiB multipart limit goes up as a resumable upload,
