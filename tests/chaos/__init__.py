@@ -1,0 +1,4 @@
+"""The fault-injection campaign of issue 11 (``make chaos``; a bounded run is in ``make test``).
+
+See :mod:`tests.chaos.campaign`.
+"""

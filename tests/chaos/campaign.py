@@ -1,0 +1,371 @@
+"""Seeded fault-injection campaign against real processes, real tmpfs and fake-gcs-server.
+
+Two parts, each bounded by its counts and reproducible from its seed:
+
+- :func:`crash_campaign`: a real ``strata sidecar`` process and trainer processes
+  (:mod:`tests.chaos.workload`). Each cycle a trainer restores (checked bit for bit), then
+  saves; the cycle kills the trainer at a chosen fault point (``STRATA_FAULT``: after the copy,
+  after the link, after the commit, before the checksum rewrite), the sidecar at one of its own
+  (a promotion round, a PVC copy with its data written but no manifest, its checksum pass,
+  staging) or by SIGKILL at a random moment, or both together. A killed sidecar is restarted
+  (start-up pruning runs while the trainer may still live). Every restore must return exactly
+  the state saved as that step, and never a step older than the newest one ``save()`` reported
+  committed.
+- :func:`corruption_campaign`: two steps committed in RAM, on the PVC and on GCS; one to three
+  random bit flips in data objects or manifests of random tiers; a restore must return exactly
+  the newest step of which some copy is intact (an older one only when every copy of the newer
+  one is damaged), or report that nothing is restorable when no copy is intact -- never other
+  bytes, never an exception while a copy could serve.
+
+``python -m tests.chaos.campaign --crash-points 2000 --corruptions 1000 --seed 1`` (``make
+chaos``) prints the counts as JSON and exits 1 when any restore was wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+TRAINER_POINTS = ("save.copied", "commit.linked", "commit.done", "seal.before")
+SIDECAR_POINTS = ("promotion.round", "posix.data_written", "seal.before", "stage.copied")
+JOB = "chaos.job"
+STEPS_PER_CYCLE = 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def crash_config(root: Path) -> dict[str, Any]:
+    return {
+        "job_id": JOB,
+        "ram": {"path": str(root / "ram"), "every": {"steps": 1}, "keep": 1},
+        "pvc": {"path": str(root / "pvc"), "every": {"steps": 2}, "keep": 2},
+        "restore": {"allow_fresh_start": True},
+        "metrics_port": _free_port(),
+        "metrics_host": "127.0.0.1",
+        "writer_id": "chaos-pod",
+        "termination_grace_seconds": 5,
+    }
+
+
+class Sidecar:
+    """A real ``strata sidecar`` process (restartable, optionally with a fault rule)."""
+
+    def __init__(self, config: dict[str, Any], log_dir: Path) -> None:
+        from strata.config import StrataConfig
+
+        self.config = StrataConfig.parse(config)
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self, fault: str = "") -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+        env.update(self.config.to_env())
+        if fault:
+            env["STRATA_FAULT"] = fault
+        self.starts += 1
+        with open(self.log_dir / f"sidecar-{self.starts % 4}.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "strata.cli", "sidecar"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        url = f"http://127.0.0.1:{self.config.metrics_port}/healthz"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return  # died at its fault point during start-up: a crash point too
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("the sidecar did not become ready in 120 s")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait(60)
+
+    def died_by_fault(self) -> bool:
+        return self.proc is not None and self.proc.poll() == -signal.SIGKILL
+
+
+def _read_log(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def crash_campaign(root: Path, crash_points: int, seed: int) -> dict[str, Any]:
+    """Run cycles until ``crash_points`` processes were killed (see the module docstring)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "strata.client", "tests.chaos.workload"])
+    from tests.chaos import workload
+
+    rnd = random.Random(seed)
+    config = crash_config(root)
+    cfg_json = json.dumps(config)
+    log = root / "trainer.log"
+    sidecar = Sidecar(config, root)
+    sidecar.start()
+    counts: Counter[str] = Counter()
+    last_saved: int | None = None
+    cycles = 0
+    try:
+        while counts["crash_points"] < crash_points:
+            cycles += 1
+            victim = rnd.choice(["trainer", "sidecar", "both"])
+            t_fault = ""
+            if victim in ("trainer", "both"):
+                point = rnd.choice(TRAINER_POINTS)
+                t_fault = f"{point}#{rnd.randint(1, STEPS_PER_CYCLE)}"
+            if victim in ("sidecar", "both") and rnd.random() < 0.5:
+                # A fault point in the sidecar: it needs a restart to arm the rule.
+                sidecar.kill()
+                s_point = rnd.choice(SIDECAR_POINTS)
+                sidecar.start(f"{s_point}#{rnd.randint(1, 3)}")
+                s_timed = None
+            elif victim in ("sidecar", "both"):
+                s_timed = rnd.random() * 0.3
+            else:
+                s_timed = None
+            if not sidecar.alive():
+                counts["crash_points"] += 1
+                counts["sidecar_fault_kills"] += 1
+                sidecar.start()
+            before = len(_read_log(log))
+            p = ctx.Process(
+                target=workload.trainer,
+                args=(cfg_json, str(log), t_fault, STEPS_PER_CYCLE),
+                daemon=True,
+            )
+            p.start()
+            if s_timed is not None:
+                time.sleep(s_timed)
+                if sidecar.alive():
+                    sidecar.kill()
+                    counts["crash_points"] += 1
+                    counts["sidecar_timed_kills"] += 1
+            p.join(300)
+            if p.is_alive():
+                p.kill()
+                p.join()
+                counts["trainer_hung"] += 1
+            if p.exitcode == -signal.SIGKILL:
+                counts["crash_points"] += 1
+                counts["trainer_fault_kills"] += 1
+            elif p.exitcode != 0:
+                counts["trainer_errors"] += 1
+            if sidecar.died_by_fault():
+                counts["crash_points"] += 1
+                counts["sidecar_fault_kills"] += 1
+            if not sidecar.alive():
+                sidecar.start()
+            for line in _read_log(log)[before:]:
+                kind, _, rest = line.partition(" ")
+                if kind == "restore":
+                    step_s, verdict = rest.split()
+                    counts["restores_checked"] += 1
+                    step = None if step_s == "none" else int(step_s)
+                    lost = last_saved is not None and (step is None or step < last_saved)
+                    if verdict != "ok" or lost:
+                        counts["wrong_restores"] += 1
+                        print(f"WRONG restore in cycle {cycles}: {line} (last saved {last_saved})")
+                    if step is not None:
+                        counts["restored_steps"] = max(counts["restored_steps"], step)
+                elif kind == "saved":
+                    last_saved = int(rest)
+    finally:
+        sidecar.kill()
+    out: dict[str, Any] = dict(counts)
+    out["cycles"] = cycles
+    out["last_saved_step"] = last_saved
+    return out
+
+
+# -- corruptions ------------------------------------------------------------------------------------
+
+
+def _flip(raw: bytes, rnd: random.Random, limit: int | None = None) -> bytes:
+    n = len(raw) if limit is None else min(limit, len(raw))
+    bit = rnd.randrange(n * 8)
+    b = bytearray(raw)
+    b[bit // 8] ^= 1 << (bit % 8)
+    return bytes(b)
+
+
+def corruption_campaign(
+    root: Path, corruptions: int, seed: int, gcs_endpoint: str | None
+) -> dict[str, Any]:
+    """Flip bits in committed copies on every tier and check every restore (module docstring)."""
+    import torch  # noqa: F401  (the workload needs it)
+    from google.cloud import storage
+
+    from strata.client import Checkpointer
+    from strata.config import StrataConfig
+    from strata.errors import RestoreError
+    from strata.format import layout
+    from strata.tiers.gcs import GcsTier
+    from strata.tiers.posix import PosixTier
+    from strata.tiers.slots import SlotLease
+    from tests.chaos import workload
+
+    rnd = random.Random(seed)
+    counts: Counter[str] = Counter()
+    bucket = f"chaos-{seed}-{os.getpid()}"
+    client: storage.Client | None = None
+    if gcs_endpoint is not None:
+        from google.auth.credentials import AnonymousCredentials
+
+        client = storage.Client(
+            project="test",
+            credentials=AnonymousCredentials(),
+            client_options={"api_endpoint": gcs_endpoint},
+        )
+        client.create_bucket(bucket)
+    i = 0
+    while counts["corruptions"] < corruptions:
+        i += 1
+        job = f"chaos.corrupt-{i}"
+        raw: dict[str, Any] = {
+            "job_id": job,
+            "ram": {"path": str(root / "ram"), "keep": 2},
+            "pvc": {"path": str(root / "pvc")},
+            "restore": {"allow_fresh_start": True},
+        }
+        if client is not None:
+            raw["gcs"] = {"bucket": bucket, "prefix": "c", "endpoint": gcs_endpoint}
+        config = StrataConfig.parse(raw)
+        pvc = PosixTier(root / "pvc")
+        gcs = GcsTier(config.gcs, client=client) if client is not None and config.gcs else None
+        tiers: dict[str, Any] = {"pvc": pvc} | ({"gcs": gcs} if gcs is not None else {})
+        with Checkpointer(config, rank=0, world_size=1) as c:
+            for step in (1, 2):
+                assert c.save(step, workload.state_for(step))
+            c.wait()
+            for step in (1, 2):
+                with SlotLease(c.ram, job, step, 0) as lease:
+                    assert lease.manifest is not None
+                    for t in tiers.values():
+                        t.put_shard(job, step, 0, lease.path, lease.manifest)
+            # Damage 1..3 copies.
+            damaged: set[tuple[str, int]] = set()
+            all_tiers = ["ram", *tiers]
+            for _ in range(rnd.randint(1, 3)):
+                tier = rnd.choice(all_tiers)
+                step = rnd.choice((1, 2))
+                kind = rnd.choice(("data", "manifest"))
+                key = (layout.data_key if kind == "data" else layout.manifest_key)(job, step, 0)
+                nbytes = c.ram.get_manifest(job, step, 0).data_nbytes
+                limit = nbytes if kind == "data" else None
+                if tier in ("ram", "pvc"):
+                    path = (c.ram.root if tier == "ram" else pvc.root) / key
+                    if not path.exists():
+                        continue
+                    path.write_bytes(_flip(path.read_bytes(), rnd, limit))
+                else:
+                    assert client is not None and gcs is not None
+                    blob = client.bucket(bucket).get_blob(gcs.object_name(key))
+                    if blob is None:
+                        continue
+                    new = client.bucket(bucket).blob(blob.name)
+                    new.metadata = dict(blob.metadata or {})
+                    new.upload_from_string(_flip(blob.download_as_bytes(), rnd, limit))
+                damaged.add((tier, step))
+                counts["corruptions"] += 1
+                counts[f"corrupt_{tier}_{kind}"] += 1
+            intact = {s for s in (1, 2) if any((t, s) not in damaged for t in all_tiers)}
+            expect = max(intact) if intact else None
+            state = workload.empty_state()
+            raised = False
+            got: int | None = None
+            try:
+                got = c.restore(state).step
+            except RestoreError:
+                got = None
+            except Exception as exc:  # restore must not raise while a copy can serve
+                counts["wrong_restores"] += 1
+                print(f"WRONG: restore raised in round {i} ({damaged}): {exc!r}")
+                raised = True
+            counts["restores_checked"] += 1
+            if not raised:
+                ok = got == expect and (got is None or workload.same_state(state, got))
+                if not ok:
+                    counts["wrong_restores"] += 1
+                    print(
+                        f"WRONG: round {i} damaged {sorted(damaged)}: restored {got}, expected {expect}"
+                    )
+                elif got is not None and got < 2:
+                    counts["fell_back_to_older_step"] += 1
+        shutil.rmtree(root / "ram" / job, ignore_errors=True)
+        shutil.rmtree(root / "pvc" / job, ignore_errors=True)
+        if gcs is not None:
+            gcs.close()
+    if client is not None:
+        client.close()
+    out: dict[str, Any] = dict(counts)
+    out["rounds"] = i
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--crash-points", type=int, default=2000)
+    ap.add_argument("--corruptions", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from strata.testing.emulator import FakeGcsServer
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="strata-chaos-") as d:
+        root = Path(d)
+        (root / "crash").mkdir()
+        (root / "corrupt").mkdir()
+        with FakeGcsServer() as server:
+            corrupt = corruption_campaign(
+                root / "corrupt", args.corruptions, args.seed, server.endpoint
+            )
+        print(json.dumps({"corruption": corrupt}), flush=True)
+        crash = crash_campaign(root / "crash", args.crash_points, args.seed)
+    summary = {
+        "seed": args.seed,
+        "seconds": round(time.monotonic() - t0),
+        "crash": crash,
+        "corruption": corrupt,
+        "wrong_restores": crash.get("wrong_restores", 0) + corrupt.get("wrong_restores", 0),
+    }
+    print(json.dumps(summary, indent=1))
+    if args.out is not None:
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    raise SystemExit(1 if summary["wrong_restores"] else 0)
+
+
+if __name__ == "__main__":
+    main()
