@@ -122,8 +122,11 @@ def _read_log(path: Path) -> list[str]:
         return []
 
 
-def crash_campaign(root: Path, crash_points: int, seed: int) -> dict[str, Any]:
-    """Run cycles until ``crash_points`` processes were killed (see the module docstring)."""
+def crash_campaign(
+    root: Path, crash_points: int, seed: int, deadline: float | None = None
+) -> dict[str, Any]:
+    """Run cycles until ``crash_points`` processes were killed (see the module docstring), or
+    until ``deadline`` (``time.monotonic()``) passes."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "strata.client", "tests.chaos.workload"])
     from tests.chaos import workload
@@ -139,6 +142,9 @@ def crash_campaign(root: Path, crash_points: int, seed: int) -> dict[str, Any]:
     cycles = 0
     try:
         while counts["crash_points"] < crash_points:
+            if deadline is not None and time.monotonic() > deadline:
+                counts["stopped_at_deadline"] = 1
+                break
             cycles += 1
             victim = rnd.choice(["trainer", "sidecar", "both"])
             t_fault = ""
@@ -221,7 +227,11 @@ def _flip(raw: bytes, rnd: random.Random, limit: int | None = None) -> bytes:
 
 
 def corruption_campaign(
-    root: Path, corruptions: int, seed: int, gcs_endpoint: str | None
+    root: Path,
+    corruptions: int,
+    seed: int,
+    gcs_endpoint: str | None,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """Flip bits in committed copies on every tier and check every restore (module docstring)."""
     import torch  # noqa: F401  (the workload needs it)
@@ -251,6 +261,9 @@ def corruption_campaign(
         client.create_bucket(bucket)
     i = 0
     while counts["corruptions"] < corruptions:
+        if deadline is not None and time.monotonic() > deadline:
+            counts["stopped_at_deadline"] = 1
+            break
         i += 1
         job = f"chaos.corrupt-{i}"
         raw: dict[str, Any] = {
@@ -340,6 +353,12 @@ def main() -> None:
     ap.add_argument("--corruptions", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop each part after half of this and report the counts reached",
+    )
     args = ap.parse_args()
     from strata.testing.emulator import FakeGcsServer
 
@@ -348,12 +367,22 @@ def main() -> None:
         root = Path(d)
         (root / "crash").mkdir()
         (root / "corrupt").mkdir()
+        half = None if args.max_seconds is None else args.max_seconds / 2
         with FakeGcsServer() as server:
             corrupt = corruption_campaign(
-                root / "corrupt", args.corruptions, args.seed, server.endpoint
+                root / "corrupt",
+                args.corruptions,
+                args.seed,
+                server.endpoint,
+                None if half is None else time.monotonic() + half,
             )
         print(json.dumps({"corruption": corrupt}), flush=True)
-        crash = crash_campaign(root / "crash", args.crash_points, args.seed)
+        crash = crash_campaign(
+            root / "crash",
+            args.crash_points,
+            args.seed,
+            None if half is None else time.monotonic() + half,
+        )
     summary = {
         "seed": args.seed,
         "seconds": round(time.monotonic() - t0),
