@@ -282,9 +282,11 @@ def corruption_campaign(
             for step in (1, 2):
                 assert c.save(step, workload.state_for(step))
             c.wait()
+            sizes: dict[int, int] = {}
             for step in (1, 2):
                 with SlotLease(c.ram, job, step, 0) as lease:
                     assert lease.manifest is not None
+                    sizes[step] = lease.manifest.data_nbytes
                     for t in tiers.values():
                         t.put_shard(job, step, 0, lease.path, lease.manifest)
             # Damage 1..3 copies.
@@ -295,8 +297,7 @@ def corruption_campaign(
                 step = rnd.choice((1, 2))
                 kind = rnd.choice(("data", "manifest"))
                 key = (layout.data_key if kind == "data" else layout.manifest_key)(job, step, 0)
-                nbytes = c.ram.get_manifest(job, step, 0).data_nbytes
-                limit = nbytes if kind == "data" else None
+                limit = sizes[step] if kind == "data" else None
                 if tier in ("ram", "pvc"):
                     path = (c.ram.root if tier == "ram" else pvc.root) / key
                     if not path.exists():
