@@ -77,6 +77,28 @@ def test_every_single_bit_flip_of_a_manifest_is_detected(tmp_path: Path) -> None
     assert isinstance(Manifest.from_json(raw, "x"), Manifest)
 
 
+def test_an_intact_manifest_of_a_newer_strata_is_skipped_never_quarantined(tmp_path: Path) -> None:
+    """Rolling upgrade: a newer trainer wrote an optional field this sidecar does not know. The
+    seal verifies, so the copy is intact: it is skipped (ShardUnavailable, not ShardCorrupt) and
+    its files stay where they are for the Strata that reads them."""
+    import json
+
+    from tests.fixtures.gcs import make_shard
+
+    src, m, _ = make_shard(tmp_path, job_id=JOB, step=5)
+    tier = PosixTier(tmp_path / "pvc")
+    tier.put_shard(JOB, 5, 0, src, m)
+    path = tier.manifest_path(JOB, 5, 0)
+    body = m.model_dump(mode="json")
+    body["storages"] = [dict(e, a_field_of_a_newer_strata=True) for e in body["storages"]]
+    body["another_new_field"] = {"x": 1}
+    path.write_bytes(seal(json.dumps(body).encode()))
+    with pytest.raises(ShardUnavailable, match="another Strata version") as info:
+        tier.get_manifest(JOB, 5, 0)
+    assert not isinstance(info.value, ShardCorrupt)
+    assert path.exists() and tier.data_path(JOB, 5, 0).exists()
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_failure3_flipped_manifests_fall_back_tier_by_tier_then_to_an_older_step(
     shm_dir: Path, tmp_path: Path, gcs_emulator: GcsEmulator, gcs_bucket: str, seed: int

@@ -20,7 +20,7 @@ import json
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from strata.errors import FormatError, ManifestError
 from strata.format.sealed import seal, unseal
@@ -182,13 +182,15 @@ class Manifest(BaseModel):
         """Parse stored manifest bytes; the seal is verified before any field is read.
 
         Raises :class:`ManifestVersionError` for an unsealed manifest whose body says it is of
-        an older format version (not corruption: skip it), :class:`ManifestError` for anything
-        else that does not verify or parse (a damaged copy: quarantine it).
+        an older format version, or a sealed (intact) one with fields this Strata does not know
+        or another format version (written by another Strata version: skip it, never
+        quarantine), :class:`ManifestError` for anything else that does not verify or parse (a
+        damaged copy: quarantine it).
         """
         try:
             body = unseal(raw, where)
         except FormatError as exc:
-            version = _unsealed_version(raw)
+            version = _json_version(raw)
             if version is not None and version < FORMAT_VERSION:
                 raise ManifestVersionError(
                     f"{where}: manifest format version {version}, this Strata reads "
@@ -198,12 +200,33 @@ class Manifest(BaseModel):
             raise ManifestError(f"malformed manifest {where}: {exc}") from None
         try:
             return cls.model_validate_json(body)
+        except ValidationError as exc:
+            # The seal verified, so these are the bytes a writer meant. Fields this Strata does
+            # not know, or another format version, come from another version of Strata (a rolling
+            # upgrade: trainer and sidecar images of two versions), not from damage: skip the
+            # copy; quarantining it would destroy a valid checkpoint. Anything else is malformed.
+            version = _json_version(body)
+            newer = all(e["type"] == "extra_forbidden" for e in exc.errors())
+            if newer or (version is not None and version != FORMAT_VERSION):
+                raise ManifestVersionError(
+                    f"{where}: manifest written by another Strata version (format version "
+                    f"{version}; {_first_line(exc)}); restore another step or use a Strata "
+                    "that reads it",
+                    version if version is not None else -1,
+                ) from None
+            raise ManifestError(f"malformed manifest {where}: {exc}") from None
         except ValueError as exc:
             raise ManifestError(f"malformed manifest {where}: {exc}") from None
 
 
-def _unsealed_version(raw: bytes) -> int | None:
-    """``format_version`` of an unsealed manifest (one written before version 2), else None."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _json_version(raw: bytes | str) -> int | None:
+    """``format_version`` of a JSON manifest body (an unsealed one written before version 2, or
+    a sealed one this Strata cannot validate), else None."""
     try:
         obj = json.loads(raw)
     except ValueError:
