@@ -530,6 +530,14 @@ class TierStepsStatus(_Model):
     gcs: Annotated[int, Field(ge=0)] | None = None
 
 
+class TierMessagesStatus(_Model):
+    """A message per tier (only the tiers it concerns)."""
+
+    ram: Annotated[str, Field(max_length=1024)] | None = None
+    pvc: Annotated[str, Field(max_length=1024)] | None = None
+    gcs: Annotated[str, Field(max_length=1024)] | None = None
+
+
 class LastRestoreStatus(_Model):
     """Provenance of a job's last restore."""
 
@@ -556,6 +564,10 @@ class JobStatus(_Model):
     newest_complete_step: TierStepsStatus = TierStepsStatus()
     last_restore: LastRestoreStatus | None = None
     last_error: LastErrorStatus | None = None
+    too_small: TierMessagesStatus | None = None
+    """Tiers that cannot take ``keep + 1`` steps (promotion to them stopped advancing), with what
+    was needed and what the tier has, as the sidecar reported; cleared when the tier takes a step
+    again."""
     update_time: datetime | None = None
     """When a report about this job was last folded in."""
 

@@ -128,6 +128,7 @@ EVENT_RESTORED: Final = "Restored"
 EVENT_FRESH_START: Final = "FreshStart"
 EVENT_RESTORE_FAILED: Final = "RestoreFailed"
 EVENT_TIER_FAILED: Final = "TierFailed"
+EVENT_TIER_TOO_SMALL: Final = "TierTooSmall"
 EVENT_NOT_PROTECTED: Final = "NotProtected"
 
 # --- kopf storage and API identity ------------------------------------------------------------

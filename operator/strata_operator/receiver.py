@@ -75,6 +75,7 @@ from strata_operator.constants import (
     EVENT_RESTORE_FAILED,
     EVENT_RESTORED,
     EVENT_TIER_FAILED,
+    EVENT_TIER_TOO_SMALL,
     INJECTED_ANNOTATION,
     POLICY_LABEL,
     SIDECAR_NAME,
@@ -147,7 +148,9 @@ def fold_report(
     dropping the least recently updated. Per tier, the reported ``newest_complete_step`` replaces
     the stored one (a tier the report does not mention keeps its value: the RAM of a recreated
     pod is empty, so the newest report is the truth, not the maximum). The last restore and last
-    error are replaced only by newer ones (by their own time); only those produce events.
+    error are replaced only by newer ones (by their own time); only those produce events. A
+    tier the report says is too small for ``keep + 1`` steps is set in ``tooSmall`` (an Event
+    when it becomes so) and removed when a report of that tier no longer says so.
     """
     old = next((dict(j) for j in jobs if j.get("jobId") == report.job_id), None) or {}
     steps: dict[str, int] = dict(old.get("newestCompleteStep") or {})
@@ -225,12 +228,30 @@ def fold_report(
             )
         )
 
+    too_small: dict[str, str] = dict(old.get("tooSmall") or {})
+    for tier, state in report.tiers.items():
+        if state.too_small is None:
+            too_small.pop(tier, None)
+            continue
+        if tier not in too_small:
+            events.append(
+                EventSpec(
+                    "Warning",
+                    EVENT_TIER_TOO_SMALL,
+                    f"{where}: tier {tier} cannot hold keep + 1 steps, promotion to it stopped "
+                    f"advancing: {state.too_small}",
+                    f"{source}|too-small|{tier}|{state.too_small}",
+                )
+            )
+        too_small[tier] = state.too_small[:1024]
+
     entry_job = api.JobStatus.model_validate(
         {
             "jobId": report.job_id,
             "newestCompleteStep": steps,
             **({"lastRestore": last_restore} if last_restore else {}),
             **({"lastError": last_error} if last_error else {}),
+            **({"tooSmall": too_small} if too_small else {}),
             "updateTime": _fmt(now),
         }
     ).model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -141,3 +141,28 @@ def test_a_restore_from_peers_folds_into_status_and_events_as_peer() -> None:
     assert jobs[0]["lastError"]["tier"] == "peer"
     CheckpointPolicyStatus.model_validate({"jobs": jobs})
     assert "rank 1 restored step 130 from tier peer" in events[0].message
+
+
+def test_a_tier_too_small_for_keep_plus_one_shows_in_status_until_it_takes_a_step_again() -> None:
+    """Issue 11, failure 8: the sidecar's ``too_small`` reaches the policy status (and one
+    Warning Event when it starts); a later report without it clears it."""
+    msg = "a step needs 4194304 bytes, the tier has 2097152 free with keep 1"
+    jobs, events = fold_report(
+        [],
+        report(tiers={"pvc": TierState(newest_complete_step=10, too_small=msg)}),
+        now=T0,
+    )
+    assert jobs[0]["tooSmall"] == {"pvc": msg}
+    assert [e.reason for e in events] == ["TierTooSmall"]
+    assert "tier pvc cannot hold keep + 1 steps" in events[0].message
+    CheckpointPolicyStatus.model_validate({"jobs": jobs})
+    # The same condition again: still shown, no second Event.
+    jobs, events = fold_report(
+        jobs, report(tiers={"pvc": TierState(newest_complete_step=10, too_small=msg)}), now=T0
+    )
+    assert jobs[0]["tooSmall"] == {"pvc": msg} and events == []
+    # Another tier's report leaves it; the PVC taking a step again clears it.
+    jobs, _ = fold_report(jobs, report(tiers={"ram": TierState(newest_complete_step=20)}), now=T0)
+    assert jobs[0]["tooSmall"] == {"pvc": msg}
+    jobs, _ = fold_report(jobs, report(tiers={"pvc": TierState(newest_complete_step=20)}), now=T0)
+    assert "tooSmall" not in jobs[0]
