@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal, Self
@@ -47,6 +48,7 @@ from strata.config import (
     StrataConfig,
     TierName,
 )
+from strata.peers.config import PeerEndpoint, PeersConfig
 from strata_operator.validation import (
     EXTENDED_NEEDS_LIMIT_MESSAGE,
     EXTENDED_NEEDS_LIMIT_RULE,
@@ -446,6 +448,23 @@ class SidecarSpec(_Model):
     ports: SidecarPortsSpec = SidecarPortsSpec()
 
 
+class PeersSpec(_Model):
+    """Peer tier (docs/peers.md): each node's newest RAM step protected in other nodes' RAM.
+
+    Mirrors ``strata.peers.config.PeersConfig``. ``replicate``: ``copies`` full copies on other
+    nodes; ``erasure``: Reed-Solomon over groups of ``dataShards`` nodes with ``parityShards``
+    parity blocks. ``bandwidth``: bytes/s each direction. ``port``: TCP port of the sidecar's
+    mutual-TLS peer server (must differ from ``sidecar.ports.metrics``).
+    """
+
+    mode: Literal["replicate", "erasure"] = "replicate"
+    copies: Annotated[int, Field(strict=True, ge=1, le=8)] = 1
+    data_shards: Annotated[int, Field(strict=True, ge=1, le=64)] = 6
+    parity_shards: Annotated[int, Field(strict=True, ge=1, le=16)] = 2
+    bandwidth: Annotated[int, Field(strict=True, ge=1024 * 1024)] = 256 * 1024 * 1024
+    port: Annotated[int, Field(strict=True, ge=1024, le=65535)] = 8477
+
+
 class CheckpointPolicySpec(_Model):
     """Desired checkpointing for the workloads that name this policy (label or annotation
     strata.dev/policy)."""
@@ -457,6 +476,8 @@ class CheckpointPolicySpec(_Model):
     tiers: TiersSpec
     restore: RestoreSpec = RestoreSpec()
     sidecar: SidecarSpec = SidecarSpec()
+    peers: PeersSpec | None = None
+    """Peer tier (copies of the RAM tier on other nodes of a JobSet or Indexed Job); unset: off."""
     component_every: (
         Annotated[
             dict[str, Annotated[int, Field(strict=True, ge=1, le=1_000_000_000)]],
@@ -473,6 +494,14 @@ class CheckpointPolicySpec(_Model):
         for k in self.component_every or {}:
             if len(k) > 128 or not re.match(COMPONENT_PATTERN, k):
                 raise ValueError(RULE_COMPONENT_KEYS.message)
+        return self
+
+    @model_validator(mode="after")
+    def _peer_port(self) -> CheckpointPolicySpec:
+        if self.peers is not None and self.peers.port == self.sidecar.ports.metrics:
+            raise ValueError(
+                f"peers.port {self.peers.port} is also sidecar.ports.metrics; choose another port"
+            )
         return self
 
     @model_validator(mode="after")
@@ -626,6 +655,7 @@ def to_sidecar_config(
     ram_path: str = DEFAULT_RAM_DIR,
     pvc_path: str = DEFAULT_PVC_DIR,
     termination_grace_seconds: float | None = None,
+    peers: Sequence[Mapping[str, str]] | None = None,
 ) -> StrataConfig:
     """Map a policy spec to the sidecar/client contract (:class:`strata.config.StrataConfig`).
 
@@ -634,6 +664,9 @@ def to_sidecar_config(
     ``termination_grace_seconds`` is the pod's effective grace period (seconds) when the caller
     knows it; otherwise the policy's ``sidecar.terminationGracePeriodSeconds``, else 30.
     Pod identity (name, uid, node) comes from the downward API at run time, not from here.
+
+    ``peers``: the workload's ``[{id, address}]`` (:func:`strata_operator.peers.workload_peers`),
+    used when the policy has ``spec.peers``.
 
     Errors: pydantic ``ValidationError`` when ``job_id`` is not a valid job id.
     """
@@ -685,4 +718,19 @@ def to_sidecar_config(
         metrics_port=spec.sidecar.ports.metrics,
         component_every=dict(spec.component_every) if spec.component_every else None,
         termination_grace_seconds=grace,
+        peers=_peers_config(spec.peers, peers or ()),
+    )
+
+
+def _peers_config(spec: PeersSpec | None, peers: Sequence[Mapping[str, str]]) -> PeersConfig | None:
+    if spec is None:
+        return None
+    return PeersConfig(
+        mode=spec.mode,
+        copies=spec.copies,
+        data_shards=spec.data_shards,
+        parity_shards=spec.parity_shards,
+        bandwidth_bytes_per_second=spec.bandwidth,
+        port=spec.port,
+        peers=tuple(PeerEndpoint(id=p["id"], address=p["address"]) for p in peers),
     )

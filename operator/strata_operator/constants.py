@@ -139,3 +139,11 @@ FINALIZER: Final = "strata.dev/finalizer"
 FIELD_MANAGER: Final = "strata-operator"
 COMPONENT: Final = "strata-operator"
 """``source.component`` / ``reportingComponent`` of the Events the operator posts."""
+
+# --- peer tier (issue 16, docs/peers.md) ------------------------------------------------------
+
+PEERS_TLS_VOLUME: Final = "strata-peers-tls"
+"""Secret volume of the job's peer certificate; mounted into the sidecar container only."""
+PEERS_PORT_NAME: Final = "strata-peers"
+ZONE_LABEL: Final = "topology.kubernetes.io/zone"
+"""Pod label (PodTopologyLabels, Kubernetes 1.33+) the sidecar's failure domain comes from."""

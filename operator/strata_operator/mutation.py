@@ -22,6 +22,12 @@ What an injected pod gets (every name below is a constant of :mod:`strata_operat
 * for every training container (``spec.containers``): ``STRATA_CONFIG``
   (:meth:`strata.config.StrataConfig.to_env`), the downward-API identity variables and the RAM and
   PVC mounts;
+* with ``spec.peers`` (docs/peers.md): ``STRATA_CONFIG.peers`` with the workload's peer list
+  (:func:`strata_operator.peers.workload_peers`), and on the sidecar only: the peer port
+  ``strata-peers``, ``STRATA_FAILURE_DOMAIN`` from the ``topology.kubernetes.io/zone`` pod label
+  (empty, i.e. unknown, where the cluster does not copy it), and the job's TLS Secret
+  (``strata-peers-tls``, read-only at ``/var/run/secrets/strata.dev/peers``); an Indexed Job's
+  pod gets ``spec.subdomain`` of the peers' headless Service;
 * ``terminationGracePeriodSeconds`` raised to the policy's value (never lowered);
 * the annotation ``strata.dev/injected: <policy>``.
 
@@ -67,6 +73,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from strata.config import StrataConfig
+from strata.constants import ENV_FAILURE_DOMAIN
 from strata_operator import pod_checks
 from strata_operator.api import (
     DEFAULT_HOST_PATH,
@@ -80,6 +87,8 @@ from strata_operator.constants import (
     JOB_NAME_LABELS,
     JOBSET_NAME_LABEL,
     METRICS_PORT_NAME,
+    PEERS_PORT_NAME,
+    PEERS_TLS_VOLUME,
     POD_FIELD_ENV,
     POLICY_LABEL,
     PVC_VOLUME,
@@ -92,6 +101,14 @@ from strata_operator.constants import (
     TOKEN_DIR,
     TOKEN_FILE,
     TOKEN_VOLUME,
+    ZONE_LABEL,
+)
+from strata_operator.peers import (
+    PEER_TLS_MOUNT,
+    PeerSpecError,
+    peer_secret_name,
+    peer_service_name,
+    workload_peers,
 )
 from strata_operator.validation import parse_quantity, quantity_bytes
 
@@ -246,6 +263,7 @@ def build_pod_patch(
     *,
     namespace: str | None = None,
     policy_name: str | None = None,
+    workload: Mapping[str, Any] | None = None,
 ) -> list[JSONPatchOp]:
     """JSON patch (RFC 6902 ops, in order) that injects Strata into ``pod``; ``[]`` if nothing to add.
 
@@ -253,7 +271,8 @@ def build_pod_patch(
     ``policy``: the ``CheckpointPolicy`` (object dict, spec dict, or
     :class:`~strata_operator.api.CheckpointPolicySpec` with ``policy_name``); the name defaults
     to the pod's ``strata.dev/policy`` label. ``namespace``: the admission request's namespace
-    (pods being created may lack ``metadata.namespace``).
+    (pods being created may lack ``metadata.namespace``). ``workload``: the pod's JobSet or
+    Job as the API returns it; needed (only) when the policy has ``spec.peers``.
 
     Raises :class:`InjectionError` when the pod cannot be injected (a container already uses the
     sidecar's name, an invalid run id, an invalid policy).
@@ -279,6 +298,17 @@ def build_pod_patch(
     grace = max(current, pol.sidecar.termination_grace_period_seconds or 0)
 
     job_id = job_id_for(pod, ns)
+    peers: list[dict[str, str]] | None = None
+    if pol.peers is not None:
+        if workload is None:
+            raise InjectionError(
+                f"{pod_desc}: policy {view.name} has spec.peers, which needs a JobSet or an "
+                "Indexed Job; run the pod under one or use a policy without peers"
+            )
+        try:
+            peers = workload_peers(workload, pol.peers.port)
+        except PeerSpecError as exc:
+            raise InjectionError(f"{pod_desc}: {exc}") from None
     try:
         config = to_sidecar_config(
             pol,
@@ -289,6 +319,7 @@ def build_pod_patch(
             report_ca_path=f"{TOKEN_DIR}/{CA_FILE}" if settings.report_ca_pem else None,
             # A grace period of 0 leaves no time for the SIGTERM flush; the contract needs > 0.
             termination_grace_seconds=float(max(grace, 1)),
+            peers=peers,
         )
     except ValidationError as exc:
         raise InjectionError(f"{pod_desc}: cannot build the sidecar configuration: {exc}") from None
@@ -320,7 +351,12 @@ def build_pod_patch(
 
     # volumes
     have_volumes = {v.get("name") for v in spec.get("volumes") or []}
-    new_volumes = [v for v in _volumes(pol, settings, ram_bytes) if v["name"] not in have_volumes]
+    wanted_volumes = _volumes(pol, settings, ram_bytes)
+    if pol.peers is not None:
+        # Readable by the sidecar's non-root UID; no other container mounts it.
+        secret = {"secretName": peer_secret_name(job_id), "defaultMode": 0o444}
+        wanted_volumes.append({"name": PEERS_TLS_VOLUME, "secret": secret})
+    new_volumes = [v for v in wanted_volumes if v["name"] not in have_volumes]
     ops += _add_items("/spec/volumes", bool(spec.get("volumes")), new_volumes)
 
     # terminationGracePeriodSeconds: raised, never lowered
@@ -333,6 +369,16 @@ def build_pod_patch(
         sidecar = _sidecar_container(spec, pol, settings, env, ram_bytes, config)
         ops += _add_items("/spec/initContainers", bool(init_containers), [sidecar])
         ops += _pod_level_resources(spec, sidecar["resources"])
+    if (
+        pol.peers is not None
+        and workload is not None
+        and workload.get("kind") == "Job"
+        and not spec.get("subdomain")
+    ):
+        name_of_job = (workload.get("metadata") or {}).get("name", "")
+        ops.append(
+            {"op": "add", "path": "/spec/subdomain", "value": peer_service_name(name_of_job)}
+        )
 
     # env and mounts of every training container
     mounts = _tier_mounts(pol, config)
@@ -499,10 +545,21 @@ def _sidecar_container(
             "timeoutSeconds": 1,
         },
     }
+    if config.peers is not None:
+        zone = f"metadata.labels['{ZONE_LABEL}']"
+        container["env"] = [
+            *env,
+            {"name": ENV_FAILURE_DOMAIN, "valueFrom": {"fieldRef": {"fieldPath": zone}}},
+        ]
+        mounts.append({"name": PEERS_TLS_VOLUME, "mountPath": PEER_TLS_MOUNT, "readOnly": True})
     if not pod_spec.get("hostNetwork"):
         # With hostNetwork every declared port must also be a hostPort (API validation), which
         # the baseline PSS forbids; the probe needs no declared port.
         container["ports"] = [{"name": METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}]
+        if config.peers is not None:
+            container["ports"].append(
+                {"name": PEERS_PORT_NAME, "containerPort": config.peers.port, "protocol": "TCP"}
+            )
     return container
 
 

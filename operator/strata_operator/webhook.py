@@ -52,11 +52,16 @@ from typing import Any, Literal
 import jsonpatch
 import kopf
 
-from strata_operator import api, certs, conditions, pod_checks
+from strata_operator import api, certs, conditions, peer_admission, pod_checks
 from strata_operator import constants as k
 from strata_operator import metrics as m
 from strata_operator.constants import DENIAL_PREFIX, MANAGED_BY, POD_WEBHOOK, POLICY_LABEL
-from strata_operator.mutation import InjectionError, InjectionSettings, build_pod_patch
+from strata_operator.mutation import (
+    InjectionError,
+    InjectionSettings,
+    build_pod_patch,
+    job_id_for,
+)
 from strata_operator.workloads import build_workload_patch
 
 log = logging.getLogger("strata.webhook")
@@ -269,6 +274,8 @@ class WebhookState:
     tls: certs.TlsFiles
     custom_api: Any = None
     admission_api: Any = None
+    core_api: Any = None
+    batch_api: Any = None
 
     async def get_policy(self, namespace: str, name: str) -> dict[str, Any]:
         """The CheckpointPolicy object, or ``kopf.AdmissionError`` (403) naming it."""
@@ -326,7 +333,10 @@ def _apply_ops(ops: list[dict[str, Any]], raw_body: dict[str, Any]) -> None:
     jsonpatch.apply_patch(raw_body, ops, in_place=True)
 
 
-Builder = Callable[[dict[str, Any], dict[str, Any], WebhookState, str], list[dict[str, Any]]]
+Builder = Callable[
+    [dict[str, Any], dict[str, Any], WebhookState, str, dict[str, Any] | None],
+    list[dict[str, Any]],
+]
 
 
 async def _admit(
@@ -354,10 +364,23 @@ async def _admit(
             outcome = "reinvoked"
             return []
         policy = await state.get_policy(namespace, policy_name)
+        peers = kind == "Pod" and peer_admission.wants_peers(policy)
+        timeout = max(1, state.options.timeout_seconds - 2)
+        workload = None
+        if peers:
+            workload = await peer_admission.pod_workload(
+                raw, namespace, state.custom_api, state.batch_api, timeout
+            )
         try:
-            ops = build(raw, policy, state, namespace)
+            ops = build(raw, policy, state, namespace, workload)
+            if peers:
+                job_id = job_id_for(raw, namespace)
         except InjectionError as exc:
             raise kopf.AdmissionError(str(exc), code=DENY_INVALID) from None
+        if peers:
+            await peer_admission.ensure_peer_secret(
+                job_id, namespace, policy, state.core_api, timeout
+            )
         warning = _not_ready_warning(policy)
         if warning:
             warnings.append(warning)
@@ -412,13 +435,21 @@ def _workload_policy(raw: dict[str, Any]) -> str | None:
 
 
 def _build_pod(
-    raw: dict[str, Any], policy: dict[str, Any], state: WebhookState, namespace: str
+    raw: dict[str, Any],
+    policy: dict[str, Any],
+    state: WebhookState,
+    namespace: str,
+    workload: dict[str, Any] | None,
 ) -> list[dict[str, Any]]:
-    return build_pod_patch(raw, policy, state.injection, namespace=namespace)
+    return build_pod_patch(raw, policy, state.injection, namespace=namespace, workload=workload)
 
 
 def _build_workload(
-    raw: dict[str, Any], policy: dict[str, Any], state: WebhookState, namespace: str
+    raw: dict[str, Any],
+    policy: dict[str, Any],
+    state: WebhookState,
+    namespace: str,
+    workload: dict[str, Any] | None,
 ) -> list[dict[str, Any]]:
     return build_workload_patch(raw)
 
@@ -651,5 +682,7 @@ def configure(args: argparse.Namespace, memo: kopf.Memo) -> None:
         tls=tls,
         custom_api=client.CustomObjectsApi(),
         admission_api=client.AdmissionregistrationV1Api(),
+        core_api=client.CoreV1Api(),
+        batch_api=client.BatchV1Api(),
     )
     memo["tls"] = tls

@@ -1,0 +1,100 @@
+"""Peer tier wiring through the real kube-apiserver (issue 16): a pod of a JobSet under a policy
+with ``spec.peers`` is injected with the peer list, port and TLS mount, and the job's Secret is
+created by the operator, owned by the policy."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from cryptography import x509
+from kubernetes import client
+from tests.fixtures.pods import PodBuilder, jobset_obj, policy_obj
+
+from e2e.cluster import LocalCluster
+from e2e.operator_fixtures import OperatorProcess
+from strata.config import StrataConfig
+from strata_operator.constants import PEERS_TLS_VOLUME, SIDECAR_NAME
+from strata_operator.peers import PEER_TLS_MOUNT, job_uri, peer_secret_name
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def api(k8s_cluster: LocalCluster) -> Iterator[client.ApiClient]:
+    api_client = k8s_cluster.api_client()
+    try:
+        yield api_client
+    finally:
+        api_client.close()
+
+
+def _pod(api_client: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    pod = (
+        PodBuilder(name, namespace)
+        .policy("fast")
+        .label("jobset.sigs.k8s.io/jobset-name", "llm")
+        .label("batch.kubernetes.io/job-name", "llm-workers-0")
+        .container("train")
+        .obj()
+    )
+    created = client.CoreV1Api(api_client).create_namespaced_pod(
+        namespace, pod, _preload_content=False
+    )
+    data: dict[str, Any] = json.loads(created.data)
+    return data
+
+
+def test_jobset_pod_gets_peer_config_and_the_job_secret_exists(
+    operator_running: OperatorProcess,
+    api: client.ApiClient,
+    k8s_namespace: str,
+    workload_crds: dict[str, str],
+) -> None:
+    custom = client.CustomObjectsApi(api)
+    policy = policy_obj(namespace=k8s_namespace, pvc=None)
+    policy["spec"]["peers"] = {"mode": "replicate", "copies": 1}
+    created_policy = custom.create_namespaced_custom_object(
+        "strata.dev", "v1alpha1", k8s_namespace, "checkpointpolicies", policy
+    )
+    custom.create_namespaced_custom_object(
+        "jobset.x-k8s.io",
+        "v1alpha2",
+        k8s_namespace,
+        "jobsets",
+        jobset_obj("llm", replicas=2, completions=2),
+    )
+    pod = _pod(api, k8s_namespace, "llm-workers-0-0-aaaaa")
+    sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == SIDECAR_NAME)
+    value = next(e["value"] for e in sidecar["env"] if e["name"] == "STRATA_CONFIG")
+    peers = StrataConfig.from_env({"STRATA_CONFIG": value}).peers
+    assert peers is not None and peers.copies == 1
+    assert [p.address for p in peers.peers] == [
+        f"llm-workers-{j}-{p}.llm.{k8s_namespace}.svc:8477" for j in range(2) for p in range(2)
+    ]
+    assert any(p.get("name") == "strata-peers" for p in sidecar["ports"])
+    assert {"name": PEERS_TLS_VOLUME, "mountPath": PEER_TLS_MOUNT, "readOnly": True} in sidecar[
+        "volumeMounts"
+    ]
+    train = pod["spec"]["containers"][0]
+    assert all(m["name"] != PEERS_TLS_VOLUME for m in train.get("volumeMounts", []))
+
+    job_id = f"{k8s_namespace}.llm"
+    name = peer_secret_name(job_id)
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == PEERS_TLS_VOLUME)
+    assert volume["secret"]["secretName"] == name
+    secret = client.CoreV1Api(api).read_namespaced_secret(name, k8s_namespace)
+    assert secret.type == "kubernetes.io/tls"
+    owner = secret.metadata.owner_references[0]
+    assert (owner.kind, owner.uid) == ("CheckpointPolicy", created_policy["metadata"]["uid"])
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret.data["tls.crt"]))
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [job_uri(job_id)]
+
+    # A second pod of the job: the Secret is reused (409 is success), not replaced.
+    _pod(api, k8s_namespace, "llm-workers-0-1-bbbbb")
+    again = client.CoreV1Api(api).read_namespaced_secret(name, k8s_namespace)
+    assert again.data == secret.data
