@@ -123,8 +123,16 @@ async def ensure_peer_secret(
     except ApiException as exc:
         if exc.status == 409:
             return False
+        if exc.status == 403:
+            raise kopf.AdmissionError(
+                f"Strata: the operator may not create the peer TLS Secret "
+                f"{namespace}/{body['metadata']['name']} of job {job_id} (policies with "
+                "spec.peers need it): install the chart with operator.peerSecrets=true, or "
+                "remove spec.peers from the policy",
+                code=403,
+            ) from None
         raise kopf.AdmissionError(
-            f"cannot create the peer TLS Secret {namespace}/{body['metadata']['name']} of job "
+            f"Strata: cannot create the peer TLS Secret {namespace}/{body['metadata']['name']} of job "
             f"{job_id}: API error {exc.status} {exc.reason}; the operator needs 'create secrets'",
             code=503,
         ) from None
