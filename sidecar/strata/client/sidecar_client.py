@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,15 +67,28 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self._unix_path = path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if self.timeout is not None:
-            sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._unix_path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
+        # A full listen backlog (the sidecar busy, many ranks calling at once) makes a unix-socket
+        # connect with a timeout fail at once with EAGAIN; retry with backoff within the timeout.
+        deadline = time.monotonic() + (self.timeout if self.timeout is not None else 30.0)
+        delay = 0.01
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if self.timeout is not None:
+                sock.settimeout(self.timeout)
+            try:
+                sock.connect(self._unix_path)
+            except BlockingIOError:
+                sock.close()
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+                continue
+            except OSError:
+                sock.close()
+                raise
+            self.sock = sock
+            return
 
 
 class SidecarClient:

@@ -122,6 +122,9 @@ def _make_handler(routes: Routes) -> type[BaseHTTPRequestHandler]:
 class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 128
+    """listen() backlog: every rank of a pod may call at once (socketserver's default of 5 made
+    a connect fail with EAGAIN while the sidecar was busy)."""
 
 
 def serve_unix(path: Path, routes: Routes) -> UnixHTTPServer:

@@ -455,6 +455,10 @@ class Demo:
             self.run.recoveries.append(r1)
             if not self.wait_for_manifest(self.pvc, 200):
                 self.run.failures.append("step 200 never reached the PVC")
+            # The durable tiers must hold 200 before the node is lost: a replacement sidecar
+            # promotes the steps of its own incarnation (201 and on), not its ancestor's.
+            if not self.wait_for_gcs(bucket, endpoint, 200):
+                self.run.failures.append("step 200 never reached GCS")
             self.sigkill_trainer()
             self.kill_sidecar()
             shutil.rmtree(self.ram)
@@ -465,8 +469,6 @@ class Demo:
             self.start_sidecar(base)
             self.train_until(base, stop_at=265, expect=r2)
             self.run.recoveries.append(r2)
-            if not self.wait_for_gcs(bucket, endpoint, 200):
-                self.run.failures.append("step 200 never reached GCS")
             self.sigkill_trainer()
             self.kill_sidecar()
             shutil.rmtree(self.ram)
