@@ -115,18 +115,53 @@ def generate(
     """
     workdir.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name(
-        [x509.NameAttribute(NameOID.COMMON_NAME, f"{common_name}-ca {now:%Y%m%dT%H%M%S.%f}")]
+    ca_key, ca_cert = self_signed_ca(
+        f"{common_name}-ca {now:%Y%m%dT%H%M%S.%f}", now, GENERATED_VALIDITY
     )
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + GENERATED_VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path, cert_path, key_path = workdir / "ca.crt", workdir / "tls.crt", workdir / "tls.key"
+    _write_private(key_path, _key_pem(key))
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    return TlsFiles(certfile=cert_path, keyfile=key_path, cafile=ca_path, generated=True)
+
+
+def self_signed_ca(
+    common_name: str, start: datetime.datetime, validity: datetime.timedelta
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A fresh P-256 CA (path length 0, cert/CRL signing), valid from ``start`` for ``validity``.
+
+    ``common_name`` is cut to the 64 characters X.509 allows. Used for the webhook's serving CA
+    and each job's peer CA (:mod:`strata_operator.peers`)."""
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64])])
     ca_cert = (
         x509.CertificateBuilder()
         .subject_name(ca_name)
         .issuer_name(ca_name)
         .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + GENERATED_VALIDITY)
+        .not_valid_before(start)
+        .not_valid_after(start + validity)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
@@ -147,28 +182,4 @@ def generate(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    key = ec.generate_private_key(ec.SECP256R1())
-    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
-    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + GENERATED_VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    ca_path, cert_path, key_path = workdir / "ca.crt", workdir / "tls.crt", workdir / "tls.key"
-    _write_private(key_path, _key_pem(key))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    return TlsFiles(certfile=cert_path, keyfile=key_path, cafile=ca_path, generated=True)
+    return ca_key, ca_cert

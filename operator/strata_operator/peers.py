@@ -24,6 +24,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from strata_operator.certs import self_signed_ca
+
 PEER_PORT = 8477
 PEER_TLS_MOUNT = "/var/run/secrets/strata.dev/peers"
 PEER_VALIDITY = datetime.timedelta(days=90)
@@ -49,38 +51,12 @@ def peer_secret_data(
 ) -> dict[str, bytes]:
     """PEM ``ca.crt``, ``tls.crt``, ``tls.key`` of a fresh per-job CA and the job's certificate."""
     start = (now or datetime.datetime.now(datetime.UTC)) - datetime.timedelta(minutes=5)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"strata peers CA {job_id}"[:64])])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(start + validity)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
+    ca_key, ca = self_signed_ca(f"strata peers CA {job_id}", start, validity)
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "strata-peer")]))
-        .issuer_name(ca_name)
+        .issuer_name(ca.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
