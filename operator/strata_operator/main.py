@@ -57,7 +57,8 @@ from strata_operator import conditions as c
 from strata_operator import constants as k
 from strata_operator.constants import FIELD_MANAGER, FINALIZER, PERSISTENCE_PREFIX, POLICY_LABEL
 from strata_operator.dependencies import PVC, SECRET, DependencyIndex, Kind
-from strata_operator.receiver import EventSpec, post_event
+from strata_operator.fold import EventSpec
+from strata_operator.receiver import post_event
 from strata_operator.reconcile import (
     InvalidSpec,
     Outcome,
