@@ -98,3 +98,45 @@ def test_jobset_pod_gets_peer_config_and_the_job_secret_exists(
     _pod(api, k8s_namespace, "llm-workers-0-1-bbbbb")
     again = client.CoreV1Api(api).read_namespaced_secret(name, k8s_namespace)
     assert again.data == secret.data
+
+
+def test_dry_run_pod_is_injected_without_creating_the_peer_secret(
+    operator_running: OperatorProcess,
+    api: client.ApiClient,
+    k8s_namespace: str,
+    workload_crds: dict[str, str],
+) -> None:
+    """``kubectl create --dry-run=server`` of a peers pod: the webhook answers with the full
+    patch (the apiserver calls it because the configuration says ``NoneOnDryRun``) but makes no
+    Secret; the first real pod of the job makes it."""
+    custom = client.CustomObjectsApi(api)
+    policy = policy_obj(namespace=k8s_namespace, pvc=None)
+    policy["spec"]["peers"] = {"mode": "replicate", "copies": 1}
+    custom.create_namespaced_custom_object(
+        "strata.dev", "v1alpha1", k8s_namespace, "checkpointpolicies", policy
+    )
+    custom.create_namespaced_custom_object(
+        "jobset.x-k8s.io",
+        "v1alpha2",
+        k8s_namespace,
+        "jobsets",
+        jobset_obj("llm", replicas=2, completions=2),
+    )
+    core = client.CoreV1Api(api)
+    pod = (
+        PodBuilder("llm-workers-0-0-dryrun", k8s_namespace)
+        .policy("fast")
+        .label("jobset.sigs.k8s.io/jobset-name", "llm")
+        .label("batch.kubernetes.io/job-name", "llm-workers-0")
+        .container("train")
+        .obj()
+    )
+    answered = core.create_namespaced_pod(k8s_namespace, pod, dry_run="All", _preload_content=False)
+    dry: dict[str, Any] = json.loads(answered.data)
+    volume = next(v for v in dry["spec"]["volumes"] if v["name"] == PEERS_TLS_VOLUME)
+    name = peer_secret_name(f"{k8s_namespace}.llm")
+    assert volume["secret"]["secretName"] == name
+    names = [s.metadata.name for s in core.list_namespaced_secret(k8s_namespace).items]
+    assert name not in names, "a dry run created the job's peer Secret"
+    _pod(api, k8s_namespace, "llm-workers-0-0-real")
+    assert core.read_namespaced_secret(name, k8s_namespace).type == "kubernetes.io/tls"

@@ -523,6 +523,70 @@ def test_reinvocation_does_no_work_one_injection_per_pod(
     assert after["reinvoked"] - before["reinvoked"] in (0, 3)
 
 
+def _policy_reads(op: OperatorProcess, source: str) -> float:
+    return op.metric("strata_admission_policy_reads_total", source=source)
+
+
+def _dry_run_pod(api_client: client.ApiClient, ns: str, name: str) -> dict[str, Any]:
+    """A pod created with ``dryRun=All``: admitted (webhook included) but not stored."""
+    pod = PodBuilder(name, ns).policy("fast").container("t").obj()
+    answered = client.CoreV1Api(api_client).create_namespaced_pod(
+        ns, pod, dry_run="All", _preload_content=False
+    )
+    data: dict[str, Any] = json.loads(answered.data)
+    return data
+
+
+def test_admission_reads_the_policy_from_the_watch_and_follows_updates_and_deletes(
+    operator_running: OperatorProcess, api: client.ApiClient, k8s_namespace: str
+) -> None:
+    """The webhook serves policies from the operator's own watch (no GET per pod: at 1,000
+    pods the GETs queued admissions for seconds), and that copy follows a spec change and a
+    deletion."""
+    ns = k8s_namespace
+    create_policy(api, ns, pvc=None, image="strata:one")
+    deadline = time.monotonic() + 30
+    cached = _policy_reads(operator_running, "cache")
+    while _policy_reads(operator_running, "cache") == cached:  # until the watch delivered it
+        assert time.monotonic() < deadline, "the policy never reached the webhook's cache"
+        assert sidecar_of(_dry_run_pod(api, ns, "probe")) is not None
+        time.sleep(0.2)
+    gets = _policy_reads(operator_running, "api")
+    cached = _policy_reads(operator_running, "cache")
+    for i in range(3):
+        assert sidecar_of(
+            create_pod(api, ns, PodBuilder(f"w-{i}", ns).policy("fast").container("t").obj())
+        )
+    assert _policy_reads(operator_running, "api") == gets, "a cached policy was read with a GET"
+    assert _policy_reads(operator_running, "cache") - cached == 3
+
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        "strata.dev",
+        "v1alpha1",
+        ns,
+        "checkpointpolicies",
+        "fast",
+        {"spec": {"sidecar": {"image": "strata:two"}}},
+    )
+    deadline = time.monotonic() + 30
+    while (sidecar_of(_dry_run_pod(api, ns, "probe")) or {}).get("image") != "strata:two":
+        assert time.monotonic() < deadline, "the webhook kept the policy's old spec"
+        time.sleep(0.2)
+
+    client.CustomObjectsApi(api).delete_namespaced_custom_object(
+        "strata.dev", "v1alpha1", ns, "checkpointpolicies", "fast"
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            _dry_run_pod(api, ns, "probe")
+        except ApiException as exc:
+            assert exc.status == 403 and "not found" in denial(exc)
+            break
+        assert time.monotonic() < deadline, "the webhook kept admitting with a deleted policy"
+        time.sleep(0.2)
+
+
 # --- issue 15: property: what the model accepts, the apiserver accepts (policy AND patched pod)
 
 

@@ -15,7 +15,10 @@ why (:mod:`strata_operator.pod_checks`). Every denial message starts with "Strat
 policy the API accepted can make the webhook answer 5xx: an unexpected error is a 422 denial
 that says so (only an API failure reading the policy is a 503). A reinvocation (the apiserver
 calls again after later plugins changed an injected pod) returns at once, without reading the
-policy. The handlers never call anything but a GET of the policy (``sideEffects: None``).
+policy. The handlers read the policy from the operator's own watch
+(:mod:`strata_operator.policy_cache`; a GET only when the watch has not delivered it yet) and call
+nothing else, except the peer Secret of a ``spec.peers`` policy, which a dry run skips
+(``sideEffects: NoneOnDryRun``).
 
 The ``MutatingWebhookConfiguration`` (default name ``strata.dev``) is written by this module, not
 by kopf's ``settings.admission.managed``: kopf 1.45's ``build_webhooks`` has no
@@ -45,7 +48,7 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,6 +65,7 @@ from strata_operator.mutation import (
     build_pod_patch,
     job_id_for,
 )
+from strata_operator.policy_cache import POLICY_READS, PolicyCache
 from strata_operator.workloads import build_workload_patch
 
 log = logging.getLogger("strata.webhook")
@@ -137,7 +141,8 @@ def build_webhook_configuration(
         ]
     }
     common = {
-        "sideEffects": "None",
+        # The pod webhook of a spec.peers policy creates the job's peer Secret, never on a dry run.
+        "sideEffects": "NoneOnDryRun",
         "admissionReviewVersions": ["v1"],
         "failurePolicy": opts.failure_policy,
         "matchPolicy": "Equivalent",
@@ -276,9 +281,11 @@ class WebhookState:
     admission_api: Any = None
     core_api: Any = None
     batch_api: Any = None
+    policies: PolicyCache = field(default_factory=PolicyCache)
 
     async def get_policy(self, namespace: str, name: str) -> dict[str, Any]:
-        """The CheckpointPolicy object, or ``kopf.AdmissionError`` (403) naming it."""
+        """The CheckpointPolicy object (from the watch's cache, :mod:`strata_operator.policy_cache`;
+        a GET on a miss), or ``kopf.AdmissionError`` (403) naming it."""
         from kubernetes.client.exceptions import ApiException
 
         if not name:
@@ -287,6 +294,11 @@ class WebhookState:
                 f"CheckpointPolicy in namespace {namespace!r}",
                 code=DENY_INVALID,
             )
+        cached = self.policies.get(namespace, name)
+        if cached is not None:
+            POLICY_READS.labels(source="cache").inc()
+            return cached
+        POLICY_READS.labels(source="api").inc()
         try:
             obj: dict[str, Any] = await asyncio.to_thread(
                 self.custom_api.get_namespaced_custom_object,
@@ -346,8 +358,10 @@ async def _admit(
     state: WebhookState,
     build: Builder,
     policy_of: Callable[[dict[str, Any]], str | None],
+    dryrun: bool = False,
 ) -> list[dict[str, Any]]:
-    """Decide one admission: the JSON patch ops, or ``kopf.AdmissionError`` (4xx) saying why."""
+    """Decide one admission: the JSON patch ops, or ``kopf.AdmissionError`` (4xx) saying why.
+    ``dryrun``: the request is a dry run; its one side effect (the peer Secret) is skipped."""
     start = time.perf_counter()
     outcome = "error"
     try:
@@ -377,7 +391,7 @@ async def _admit(
                 job_id = job_id_for(raw, namespace)
         except InjectionError as exc:
             raise kopf.AdmissionError(str(exc), code=DENY_INVALID) from None
-        if peers:
+        if peers and not dryrun:
             await peer_admission.ensure_peer_secret(
                 job_id, namespace, policy, state.core_api, timeout
             )
@@ -415,8 +429,9 @@ async def _admit_into(
     memo: kopf.Memo,
     build: Builder,
     policy_of: Callable[[dict[str, Any]], str | None],
+    dryrun: bool,
 ) -> None:
-    ops = await _admit(kind, body, warnings, memo["webhook"], build, policy_of)
+    ops = await _admit(kind, body, warnings, memo["webhook"], build, policy_of, dryrun)
     if ops:
         # kopf diffs the body before/after these functions into the response's JSON patch.
         patch.fns.append(functools.partial(_apply_ops, ops))
@@ -474,7 +489,9 @@ async def review_directly(
     if entry is not None and isinstance(body, dict) and request.get("operation") == "CREATE":
         kind, build, policy_of = entry
         try:
-            ops = await _admit(kind, body, warnings, state, build, policy_of)
+            ops = await _admit(
+                kind, body, warnings, state, build, policy_of, bool(request.get("dryRun"))
+            )
         except kopf.AdmissionError as exc:
             response["allowed"] = False
             response["status"] = {"message": str(exc), "code": exc.code or 500}
@@ -496,19 +513,31 @@ async def review_directly(
     "", "v1", "pods", id=POD_WEBHOOK, operations=["CREATE"], labels={POLICY_LABEL: kopf.PRESENT}
 )
 async def inject_pod(
-    body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **_: Any
+    body: kopf.Body,
+    patch: kopf.Patch,
+    warnings: list[str],
+    memo: kopf.Memo,
+    dryrun: bool = False,
+    **_: Any,
 ) -> None:
     """Inject the Strata sidecar, volumes, env and mounts into a labelled pod."""
-    await _admit_into("Pod", body, patch, warnings, memo, _build_pod, _pod_policy)
+    await _admit_into("Pod", body, patch, warnings, memo, _build_pod, _pod_policy, dryrun)
 
 
 def _register_workload(handler_id: str, group: str, version: str, plural: str) -> None:
     kind = HANDLERS[handler_id][0]
 
     async def label_workload(
-        body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, **_: Any
+        body: kopf.Body,
+        patch: kopf.Patch,
+        warnings: list[str],
+        memo: kopf.Memo,
+        dryrun: bool = False,
+        **_: Any,
     ) -> None:
-        await _admit_into(kind, body, patch, warnings, memo, _build_workload, _workload_policy)
+        await _admit_into(
+            kind, body, patch, warnings, memo, _build_workload, _workload_policy, dryrun
+        )
 
     label_workload.__doc__ = f"Label the pod templates of a {kind} annotated with a policy."
     label_workload.__name__ = f"label_{plural}"

@@ -33,7 +33,7 @@ def test_configuration_has_selectors_timeouts_and_failure_policy() -> None:
     hooks = {h["name"]: h for h in cfg["webhooks"]}
     assert set(hooks) == {"inject-pods.strata.dev", *(f"{h}.strata.dev" for h in WORKLOAD_WEBHOOKS)}
     for hook in hooks.values():
-        assert hook["sideEffects"] == "None"
+        assert hook["sideEffects"] == "NoneOnDryRun"  # the peer Secret is never made on a dry run
         assert hook["failurePolicy"] == "Ignore"
         assert hook["reinvocationPolicy"] == "IfNeeded"
         assert hook["timeoutSeconds"] == 3
