@@ -24,6 +24,7 @@ ENV_FAULT = "STRATA_FAULT"
 
 POINTS = (
     "save.copied",  # the state is in the slot, nothing linked yet
+    "save.confirm",  # storages were left in place in the slot; their confirmation has not run
     "commit.linked",  # the slot is linked as the step's data, no manifest yet
     "commit.done",  # the manifest is written, save() has not returned
     "seal.before",  # the checksum pass computed CRCs, the manifest is not rewritten yet

@@ -224,8 +224,11 @@ def copy_to_host(
     stream: Any = None,
     *,
     background: Executor | None = None,
+    skip: frozenset[int] = frozenset(),
 ) -> CopyHandle:
-    """Enqueue the copy of every storage of ``enc`` into ``dst`` (1-D uint8 CPU, the slot).
+    """Enqueue the copy of every storage of ``enc`` into ``dst`` (1-D uint8 CPU, the slot),
+    except the storages in ``skip`` (indices whose bytes the slot already holds,
+    :mod:`strata.client.reuse`).
 
     CUDA storages: ``copy_(non_blocking=True)`` on ``stream`` (a dedicated side stream that first
     waits for the current stream, so it copies what the training computed); the handle waits on
@@ -234,9 +237,9 @@ def copy_to_host(
     """
     if not holds_cuda(enc):
         if background is None:
-            codec.write_data(enc, dst, pool=pool)
+            codec.write_data(enc, dst, pool=pool, skip=skip)
             return CopyHandle(lambda: None)
-        fut = background.submit(codec.write_data, enc, dst, pool)
+        fut = background.submit(codec.write_data, enc, dst, pool, skip)
         return CopyHandle(lambda: fut.result())
     device = next(src.device for src in enc.sources if src.device.type == "cuda")
     if stream is None:
@@ -244,10 +247,10 @@ def copy_to_host(
     stream.wait_stream(torch.cuda.current_stream(device))
     end = 0
     with torch.cuda.stream(stream):
-        for entry, src in zip(enc.storages, enc.sources, strict=True):
+        for i, (entry, src) in enumerate(zip(enc.storages, enc.sources, strict=True)):
             if entry.offset > end:
                 dst[end : entry.offset].zero_()
-            if entry.nbytes:
+            if entry.nbytes and i not in skip:
                 dst[entry.offset : entry.offset + entry.nbytes].copy_(
                     src, non_blocking=src.device.type == "cuda"
                 )

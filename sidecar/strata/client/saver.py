@@ -24,6 +24,17 @@ committed by a background thread when the copies complete. The contract:
   step is intact). Changes the version counter cannot see (writes through ``.data`` or through
   another process) are not detected.
 
+Storages left in place (issue 18, :mod:`strata.client.reuse`): a blocking save into a slot
+that already holds some storages' live bytes (a frozen base saved into the same slot one ring
+turn ago) copies only the others. Such a save returns True once the changed bytes are copied;
+its commit follows in the background after the bytes left in place are confirmed by CRC32C
+against the live ones, so the step becomes visible (and ``saves`` / ``last_saved_step`` move)
+a little later; :meth:`Saver.wait_copied` returns its outcome, and :meth:`Saver.wait` and the
+next ``save()`` wait for it. A confirmation that fails (a write the version counter did not
+see) makes the step a failed save, logged and counted like any other; the previous step is
+intact. ``last_copied_nbytes`` says how many bytes the newest save wrote. Overlapped saves
+and CUDA storages are always copied in full.
+
 ``prepare(nbytes)`` allocates, maps with ``MAP_POPULATE`` (and registers with CUDA) every slot
 of the ring before a save needs it: the checkpointer calls it in the background at ``restore()``
 and after the first save, so no save pays slot allocation or first-touch page faults.
@@ -52,15 +63,16 @@ from strata.client.cuda_host import (
     copy_to_host,
     holds_cuda,
 )
-from strata.client.unchanged import Snapshot, UnchangedTracker
+from strata.client.reuse import SlotReuse, confirm, live_signatures
+from strata.client.unchanged import Snapshot, UnchangedTracker, storage_signatures
 from strata.config import Interval
 from strata.errors import ShardUnavailable, StateChanged, TierError
 from strata.format import codec, layout
 from strata.format.encode_cache import EncodeCache
-from strata.format.manifest import DEFAULT_CHUNK_SIZE
+from strata.format.manifest import DEFAULT_CHUNK_SIZE, Manifest, StorageEntry
 from strata.protocol import ClientEvent, SaveEvent
 from strata.tiers.ram import RamTier
-from strata.tiers.slots import SlotLease, SlotProvider, SlotWriteLock, slots_dir
+from strata.tiers.slots import Identity, SlotLease, SlotProvider, SlotWriteLock, slots_dir
 
 log = logging.getLogger("strata.client")
 
@@ -131,6 +143,10 @@ class Saver:
         """The stall of every successful save, seconds, in order."""
         self.last_saved_step: int | None = None
         self._unchanged = UnchangedTracker()
+        self._reuse = SlotReuse(ram, job_id, rank)
+        self.last_copied_nbytes: int | None = None
+        """Bytes the newest save wrote into its RAM slot (storages left in place are not
+        written: :mod:`strata.client.reuse`)."""
         self.cadence: ComponentCadence | None = None
         """Slow components (:mod:`strata.client.cadence`); set by the checkpointer."""
         self._component_steps: dict[int, dict[str, int]] = {}
@@ -158,7 +174,9 @@ class Saver:
         """Snapshot ``state`` as ``step`` into the RAM tier.
 
         ``blocking``: True returns when the step is committed in RAM (True) or the save failed
-        (False); the stall is the copy. False (overlapped, see the module docstring) returns
+        (False); the stall is the copy. A save that left unchanged storages in place returns
+        True after the copy of the rest; its commit follows in the background (module
+        docstring; :meth:`wait_copied` gives the outcome). False (overlapped, see the module docstring) returns
         True once the copies are enqueued; the outcome is :meth:`wait_copied`'s. Each stall
         (time this call blocked) is recorded in ``stall_seconds``. Failures follow the module
         docstring's policy. Raises ValueError for a step that is not a non-negative int.
@@ -177,8 +195,9 @@ class Saver:
                 state, slow = self.cadence.apply(step, state)
                 if slow:
                     self._component_steps[step] = slow
+            deferred = not blocking
             if blocking:
-                nbytes = self._save(step, state, replicated)
+                nbytes, deferred = self._save(step, state, replicated, t0)
             else:
                 self._enqueue(step, state, t0, replicated)
                 nbytes = 0
@@ -191,11 +210,12 @@ class Saver:
             if collect:
                 gc.enable()
         stall = time.perf_counter() - t0
-        if blocking:
+        if not deferred:
             self._succeeded(step, stall)
-            self._after_save(nbytes)
         else:
             self.last_stall_seconds = stall
+        if blocking:
+            self._after_save(nbytes)
         return True
 
     def _failed(self, step: int, exc: BaseException) -> None:
@@ -239,19 +259,41 @@ class Saver:
             replicated=replicated,
         )
 
-    def _save(self, step: int, state: Any, replicated: bool | Collection[str] | None) -> int:
+    def _save(
+        self, step: int, state: Any, replicated: bool | Collection[str] | None, t0: float
+    ) -> tuple[int, bool]:
+        """Copy and commit (or, with storages left in place, copy and hand the commit to the
+        background confirmation: then True); returns (data bytes, deferred)."""
         enc = self._encode(state, replicated)
         stream = self._stream(enc)
+        valid = self._reuse.validate()
         lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
-        with lock:
+        deferred = False
+        try:
+            rec = self._reuse.take(lock.identity, valid)  # before anything writes into the slot
+            versions = [_version(t) for t in enc.live]
+            skip = self._reuse.plan(rec, enc, versions)
             mm = self._mapping(lock)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             try:
-                copy_to_host(enc, dst, self.copy_pool, stream).wait()
+                copy_to_host(enc, dst, self.copy_pool, stream, skip=skip).wait()
+                addr = dst.data_ptr()
             finally:
                 del dst
-            self._commit(step, enc, lock, [_version(t) for t in enc.live])
-        return enc.data_nbytes
+            self.last_copied_nbytes = enc.data_nbytes - sum(enc.storages[i].nbytes for i in skip)
+            if skip:
+                stall = time.perf_counter() - t0
+                fut = self._bg.submit(self._confirm, step, enc, lock, versions, skip, addr, stall)
+                self._inflight = fut
+                with self._pending_lock:
+                    self._pending = [f for f in self._pending if not f.done()] + [fut]  # type: ignore[list-item]
+                deferred = True
+            else:
+                self._commit(step, enc, lock, versions)
+        finally:
+            if not deferred:
+                lock.release()
+        return enc.data_nbytes, deferred
 
     def _mapping(self, lock: SlotWriteLock) -> Any:
         """The mapping of exactly the inode ``lock`` holds (issue 11: the trainer never writes
@@ -273,6 +315,18 @@ class Saver:
         ``versions``: the version counters of ``enc.live`` as of the bytes copied (the
         "unchanged since" hint, :mod:`strata.client.unchanged`)."""
         faults.point("save.copied")
+        manifest = self._manifest(step, enc)
+        self.ram.commit_slot(
+            self.job_id, step, self.rank, lock.path, manifest, expect=lock.identity
+        )
+        snap = Snapshot(list(enc.live), versions, list(enc.sources))
+        fut = self._bg.submit(
+            self._checksum, step, manifest.created.isoformat(), snap, lock.identity, enc.storages
+        )
+        with self._pending_lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+
+    def _manifest(self, step: int, enc: codec.EncodedState) -> Manifest:
         manifest = enc.manifest(
             job_id=self.job_id,
             step=step,
@@ -284,13 +338,66 @@ class Saver:
         slow = self._component_steps.pop(step, None)
         if slow:
             manifest = manifest.model_copy(update={"component_steps": slow})
-        self.ram.commit_slot(
-            self.job_id, step, self.rank, lock.path, manifest, expect=lock.identity
-        )
-        snap = Snapshot(list(enc.live), versions, list(enc.sources))
-        fut = self._bg.submit(self._checksum, step, manifest.created.isoformat(), snap)
-        with self._pending_lock:
-            self._pending = [f for f in self._pending if not f.done()] + [fut]
+        return manifest
+
+    def _confirm(
+        self,
+        step: int,
+        enc: codec.EncodedState,
+        lock: SlotWriteLock,
+        versions: list[int],
+        skip: frozenset[int],
+        addr: int,
+        stall: float,
+    ) -> bool:
+        """Background: commit a save that left ``skip`` in place once the slot's bytes are
+        confirmed to be the live ones (:func:`strata.client.reuse.confirm`); releases ``lock``.
+        A mismatch makes the step a failed save and turns skipping off for those storages."""
+        try:
+            try:
+                sigs = storage_signatures(enc.live, versions, enc.sources)
+                snap = Snapshot(list(enc.live), versions, list(enc.sources))
+                unchanged = self._unchanged.since(step, snap, sigs)
+                faults.point("save.confirm")
+                res = confirm(enc, addr, skip, self.chunk_size, self.copy_pool, self.copy_threads)
+                now = live_signatures(enc)
+                moved = [i for i in skip if now[i] != sigs[i]]
+                if res.bad:
+                    self._reuse.disable(sigs, res.bad)
+                    raise StateChanged(
+                        f"{len(res.bad)} storage(s) of the state ({_describe(enc, res.bad)}) "
+                        f"differ from the bytes step {step} left in place in its RAM slot "
+                        "although no version counter moved: a write that bypassed the version "
+                        "counter (tensor.data, set_(), another process). Step "
+                        f"{step} is not committed; those storages are copied on every save "
+                        "from now on"
+                    )
+                if moved:
+                    raise StateChanged(
+                        f"{len(moved)} storage(s) left in place by the save of step {step} "
+                        "changed in place before their bytes were confirmed, so that step is "
+                        "not committed"
+                    )
+                manifest = self._manifest(step, enc).model_copy(
+                    update={
+                        "chunk_crc32c": res.chunk_crc32c,
+                        "crc32c": res.crc32c,
+                        "unchanged_since": unchanged,
+                    }
+                )
+                self.ram.commit_slot(
+                    self.job_id, step, self.rank, lock.path, manifest, expect=lock.identity
+                )
+                self._reuse.remember(lock.identity, step, enc.storages, sigs)
+            finally:
+                lock.release()
+        except Exception as exc:
+            self._failed(step, exc)
+            if self.raise_on_error:
+                raise
+            return False
+        self._succeeded(step, stall)
+        return True
 
     # -- overlapped mode ----------------------------------------------------------------------
 
@@ -302,6 +409,8 @@ class Saver:
         stream = self._stream(enc)
         lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
         try:
+            self._reuse.take(lock.identity, frozenset())  # overwritten in full: drop its record
+            self.last_copied_nbytes = enc.data_nbytes
             mm = self._mapping(lock)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             handle = copy_to_host(enc, dst, self.copy_pool, stream, background=self._overlap)
@@ -452,15 +561,24 @@ class Saver:
             self._prepared = (nbytes, cuda)
             self.prepare_in_background(nbytes, cuda)
 
-    def _checksum(self, step: int, created: str, snap: Snapshot) -> None:
+    def _checksum(
+        self,
+        step: int,
+        created: str,
+        snap: Snapshot,
+        slot: Identity,
+        storages: list[StorageEntry],
+    ) -> None:
         try:
             # The hint is tracked even when the shard is gone: the next save compares with it.
-            unchanged = self._unchanged.since(step, snap)
+            sigs = storage_signatures(snap.live, snap.versions, snap.sources)
+            unchanged = self._unchanged.since(step, snap, sigs)
             with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
                 m = lease.manifest
                 if m is None or m.verified or m.created.isoformat() != created:
                     return
-                self.ram.seal(lease, unchanged)
+                if self.ram.seal(lease, unchanged) is not None:
+                    self._reuse.remember(slot, step, storages, sigs)
         except ShardUnavailable as exc:
             log.info("strata: step %d left the RAM tier before its checksum pass: %s", step, exc)
         except Exception as exc:
@@ -471,6 +589,7 @@ class Saver:
         """Start the "unchanged since" hint (and the slow components' held copies) afresh,
         after a restore wrote the live tensors."""
         self._unchanged = UnchangedTracker()
+        self._reuse.forget()
         if self.cadence is not None:
             self.cadence.forget()
 
@@ -501,6 +620,14 @@ def _version(t: torch.Tensor) -> int:
         return int(t._version)
     except RuntimeError:  # inference-mode tensors have no version counter
         return -1
+
+
+def _describe(enc: codec.EncodedState, indices: list[int]) -> str:
+    shown = ", ".join(
+        f"#{i}: {enc.storages[i].nbytes} bytes at offset {enc.storages[i].offset}"
+        for i in indices[:4]
+    )
+    return shown + (", ..." if len(indices) > 4 else "")
 
 
 def _optimizers(state: Any, depth: int = 0) -> list[torch.optim.Optimizer]:

@@ -27,6 +27,30 @@ class Snapshot:
     sources: list[torch.Tensor]
 
 
+Signature = tuple[int, int, str, int]
+"""A storage as a save saw it: (address, nbytes, device, sum over the tensors viewing it of
+their version counter + 1)."""
+
+
+def storage_signatures(
+    live: list[torch.Tensor], versions: list[int], sources: list[torch.Tensor]
+) -> list[Signature | None]:
+    """Per storage of ``sources``: its :data:`Signature` given the version counters
+    ``versions`` of the tensors ``live`` (same length), or None when some tensor viewing it
+    has no counter (-1) or none does. ~0.3 us per tensor (one storage pointer read each)."""
+    totals: dict[int, int | None] = {}
+    for t, v in zip(live, versions, strict=True):
+        key = t.untyped_storage().data_ptr()
+        prior = totals.get(key, 0)
+        totals[key] = None if v < 0 or prior is None else prior + v + 1
+    out: list[Signature | None] = []
+    for src in sources:
+        key = src.data_ptr()
+        total = totals.get(key)
+        out.append(None if total is None else (key, src.numel(), str(src.device), total))
+    return out
+
+
 class UnchangedTracker:
     """Per-storage ``unchanged_since`` steps across the saves of one rank (see module docstring)."""
 
@@ -34,22 +58,21 @@ class UnchangedTracker:
         self._seen: dict[int, tuple[tuple[object, ...], int]] = {}
         """storage address -> (signature at the last save, step since which it is unchanged)."""
 
-    def since(self, step: int, snap: Snapshot) -> list[int]:
+    def since(
+        self, step: int, snap: Snapshot, sigs: list[Signature | None] | None = None
+    ) -> list[int]:
         """Per storage of the save of ``step``: the step since which it is unchanged (``step``
-        itself when it changed or is new). Call in save order (the background thread)."""
-        versions: dict[int, int | None] = {}
-        for t, v in zip(snap.live, snap.versions, strict=True):
-            key = t.untyped_storage().data_ptr()
-            prior = versions.get(key, 0)
-            versions[key] = None if v < 0 or prior is None else prior + v + 1
+        itself when it changed or is new). Call in save order (the background thread).
+        ``sigs``: :func:`storage_signatures` of ``snap`` when the caller has them already."""
+        if sigs is None:
+            sigs = storage_signatures(snap.live, snap.versions, snap.sources)
         seen: dict[int, tuple[tuple[object, ...], int]] = {}
         out: list[int] = []
-        for src in snap.sources:
+        for src, full in zip(snap.sources, sigs, strict=True):
             key = src.data_ptr()
-            total = versions.get(key)
-            sig = (src.numel(), str(src.device), total)
+            sig = (src.numel(), str(src.device), None if full is None else full[3])
             prev = self._seen.get(key)
-            since = prev[1] if total is not None and prev is not None and prev[0] == sig else step
+            since = prev[1] if full is not None and prev is not None and prev[0] == sig else step
             seen[key] = (sig, since)
             out.append(since)
         self._seen = seen

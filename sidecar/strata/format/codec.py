@@ -498,12 +498,18 @@ def _as_uint8(buf: Buffer | torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-def write_data(enc: EncodedState, dst: Buffer | torch.Tensor, pool: Executor | None = None) -> None:
+def write_data(
+    enc: EncodedState,
+    dst: Buffer | torch.Tensor,
+    pool: Executor | None = None,
+    skip: frozenset[int] = frozenset(),
+) -> None:
     """Copy every storage into ``dst`` (writable, >= ``enc.data_nbytes`` bytes) at its offset.
 
     Alignment padding is zeroed so the data object's bytes (and CRC) depend only on the state.
     With ``pool`` the copy is split into pieces of at most 8 MiB run on its threads (torch's
-    ``copy_`` releases the GIL). Returns when every byte is copied.
+    ``copy_`` releases the GIL). ``skip``: indices of storages whose bytes ``dst`` already holds
+    at their offsets (not copied; :mod:`strata.client.reuse`). Returns when every byte is copied.
     """
     out = _as_uint8(dst)
     if out.numel() < enc.data_nbytes:
@@ -511,14 +517,14 @@ def write_data(enc: EncodedState, dst: Buffer | torch.Tensor, pool: Executor | N
             f"destination holds {out.numel()} bytes, the state needs {enc.data_nbytes}"
         )
     if out.device.type == "cpu" and all(src.device.type == "cpu" for src in enc.sources):
-        _write_cpu(enc, out.data_ptr(), pool)
+        _write_cpu(enc, out.data_ptr(), pool, skip)
         return
     pieces: list[tuple[int, int, torch.Tensor]] = []  # (offset, nbytes, source)
     end = 0
-    for entry, src in zip(enc.storages, enc.sources, strict=True):
+    for i, (entry, src) in enumerate(zip(enc.storages, enc.sources, strict=True)):
         if entry.offset > end:
             out[end : entry.offset].zero_()
-        for start in range(0, entry.nbytes, _COPY_PIECE):
+        for start in range(0, 0 if i in skip else entry.nbytes, _COPY_PIECE):
             stop = min(start + _COPY_PIECE, entry.nbytes)
             pieces.append((entry.offset + start, stop - start, src[start:stop]))
         end = entry.offset + entry.nbytes
@@ -555,7 +561,9 @@ def _memcpy_pieces(pieces: Sequence[tuple[int, int, int]]) -> None:
             fill(dst, 0, n)
 
 
-def _write_cpu(enc: EncodedState, base: int, pool: Executor | None) -> None:
+def _write_cpu(
+    enc: EncodedState, base: int, pool: Executor | None, skip: frozenset[int] = frozenset()
+) -> None:
     """CPU path of :func:`write_data`: libc memcpy over ~equal byte ranges, one per worker.
 
     Why: every ``Tensor.copy_`` (and the two slices it needs) costs 20-40 us of dispatch, which
@@ -565,14 +573,15 @@ def _write_cpu(enc: EncodedState, base: int, pool: Executor | None) -> None:
     """
     pieces: list[tuple[int, int, int]] = []  # (dst address, src address or 0: zero fill, n)
     end = 0
-    for entry, source in zip(enc.storages, enc.sources, strict=True):
+    for i, (entry, source) in enumerate(zip(enc.storages, enc.sources, strict=True)):
         if entry.offset > end:
             pieces.append((base + end, 0, entry.offset - end))
-        if entry.nbytes:
+        if entry.nbytes and i not in skip:
             pieces.append((base + entry.offset, source.data_ptr(), entry.nbytes))
         end = entry.offset + entry.nbytes
     workers = max(1, getattr(pool, "_max_workers", 4)) if pool is not None else 1
-    share = max(_MIN_TASK_BYTES, -(-end // workers))
+    total = sum(n for _dst, _src, n in pieces) if skip else end
+    share = max(_MIN_TASK_BYTES, -(-total // workers))
     groups: list[list[tuple[int, int, int]]] = [[]]
     room = share
     for dst, src, n in pieces:

@@ -78,6 +78,20 @@ def _crc_view(view: memoryview, value: int = 0) -> int:
     return int(google_crc32c.extend(value, view.tobytes()))
 
 
+def crc32c_address(addr: int, nbytes: int, value: int = 0) -> int:
+    """CRC32C of the ``nbytes`` bytes at CPU address ``addr``, continuing from ``value``.
+
+    The caller keeps that memory mapped and unchanged meanwhile (a mapped RAM slot, a CPU
+    tensor's storage). The vendored ``libcrc32c`` runs without the GIL (threads checksum in
+    parallel); without it the bytes are copied once for ``google_crc32c``.
+    """
+    if nbytes <= 0:
+        return value
+    if _LIB is not None:
+        return int(_LIB.crc32c_extend(value, addr, nbytes))
+    return int(google_crc32c.extend(value, ctypes.string_at(addr, nbytes)))
+
+
 def _gf2_times(mat: Sequence[int], vec: int) -> int:
     out = 0
     i = 0

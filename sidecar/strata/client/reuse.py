@@ -1,0 +1,265 @@
+"""In-place reuse of unchanged bytes in RAM slots (issue 18): the RAM tier writes only what
+changed, and every slot stays a complete, self-contained copy of its step.
+
+The RAM tier is a ring of ``keep + 1`` slot files per rank (:mod:`strata.tiers.slots`); a save
+reuses the oldest one, which last held an earlier step S' of the same state. A storage whose
+bytes in that slot are already the live bytes (a frozen base under LoRA adapters, a teacher,
+frozen embeddings) need not be copied again. How it stays safe:
+
+1. **Records** (:class:`SlotReuse`, in memory only). After a step this Saver fully wrote is
+   committed AND checksummed, the slot file (``(st_dev, st_ino)``) gets a record: the step, a
+   stamp of its manifest file, and per storage of at least ``min_bytes`` on the CPU its offset,
+   size and :data:`strata.client.unchanged.Signature` (address, size, device, version counters
+   of the tensors viewing it) as of the bytes copied. A record is dropped before anything writes
+   into its slot, and is valid only while that step is still committed there under the same
+   manifest (checked with two ``stat`` calls before each save): a slot staged by the sidecar, a
+   quarantined or pruned step, a failed or partial save, a trainer restart (no records) and a
+   restore (:meth:`SlotReuse.forget`) all mean no record, so a full copy.
+2. **Hint** (:meth:`SlotReuse.plan`): storage i is not copied iff the slot's record is valid and
+   lists a storage at the same offset with the same size and signature (a layout change copies
+   every storage that moved), it is on the CPU, and skipping was not turned off for it.
+3. **Confirmation** (:func:`confirm`, off the training thread, before the step is visible):
+   the slot's chunk CRC32Cs are computed as the checksum pass always does, and the same chunks
+   are checksummed again with the live bytes in place of every skipped range; the step is
+   committed only when they agree for every chunk (and the version counters did not move since
+   the save). A disagreement (a write through ``tensor.data`` or ``set_()``, which the version
+   counter does not see) means the step is NOT committed (a failed save; the previous step is
+   intact) and skipping is turned off for that storage for the rest of the run
+   (:meth:`SlotReuse.disable`). Per chunk the comparison is CRC32C against CRC32C, the same
+   standard as the PVC/GCS references (:mod:`strata.format.incremental`).
+
+CUDA storages are always copied: confirming them would need their live bytes on the host (a
+device-to-host pass in the background), which this module does not do.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import torch
+
+from strata.client.unchanged import Signature, storage_signatures
+from strata.format import codec
+from strata.format.crc import combine_chunks, crc32c_address
+from strata.format.manifest import StorageEntry
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import Identity, path_identity
+
+MIN_SKIP_BYTES = 256 * 1024
+"""Storages smaller than this are always copied (copying them costs less than tracking them)."""
+
+Stamp = tuple[int, int, int]
+"""A manifest file as committed: (st_ino, st_size, st_mtime_ns)."""
+
+
+@dataclass(frozen=True)
+class SlotRecord:
+    """What a slot file holds, as far as this Saver knows (see the module docstring)."""
+
+    step: int
+    stamp: Stamp
+    storages: dict[int, tuple[int, Signature]]
+    """offset in the slot (bytes) -> (nbytes, signature at the copy); CPU storages only."""
+
+
+def _stamp(path: os.PathLike[str] | str) -> Stamp | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class SlotReuse:
+    """The in-memory records of one rank's slot ring (module docstring). Thread-safe: records
+    are installed by the background thread and taken by the training thread."""
+
+    def __init__(
+        self, ram: RamTier, job_id: str, rank: int, min_bytes: int = MIN_SKIP_BYTES
+    ) -> None:
+        self.ram = ram
+        self.job_id = job_id
+        self.rank = rank
+        self.min_bytes = min_bytes
+        self._records: dict[Identity, SlotRecord] = {}
+        self._disabled: set[tuple[int, int]] = set()
+        """(address, nbytes) of storages whose hint was wrong once: always copied."""
+        self._lock = threading.Lock()
+
+    def validate(self) -> frozenset[Identity]:
+        """Drop every record whose step is no longer committed in its slot under the manifest
+        recorded; the slots whose records are valid now. Two ``stat`` calls per record."""
+        with self._lock:
+            records = dict(self._records)
+        valid = set()
+        for ident, rec in records.items():
+            data = self.ram.data_path(self.job_id, rec.step, self.rank)
+            man = self.ram.manifest_path(self.job_id, rec.step, self.rank)
+            if path_identity(data) == ident and _stamp(man) == rec.stamp:
+                valid.add(ident)
+        with self._lock:
+            for ident in records.keys() - valid:
+                if self._records.get(ident) is records[ident]:
+                    del self._records[ident]
+        return frozenset(valid)
+
+    def take(self, ident: Identity, valid: frozenset[Identity]) -> SlotRecord | None:
+        """Remove the record of slot ``ident`` (call BEFORE writing into it); return it when it
+        was among ``valid`` (:meth:`validate` just before the slot was taken), else None."""
+        with self._lock:
+            rec = self._records.pop(ident, None)
+        return rec if ident in valid else None
+
+    def plan(
+        self, rec: SlotRecord | None, enc: codec.EncodedState, versions: list[int]
+    ) -> frozenset[int]:
+        """Indices of the storages of ``enc`` that the slot of ``rec`` already holds
+        (``versions``: the version counters of ``enc.live`` now). Empty without a record."""
+        if rec is None or not rec.storages:
+            return frozenset()
+        sigs = storage_signatures(enc.live, versions, enc.sources)
+        out = []
+        for i, (entry, sig) in enumerate(zip(enc.storages, sigs, strict=True)):
+            if sig is None or rec.storages.get(entry.offset) != (entry.nbytes, sig):
+                continue
+            if (sig[0], sig[1]) not in self._disabled:
+                out.append(i)
+        return frozenset(out)
+
+    def remember(
+        self,
+        ident: Identity,
+        step: int,
+        storages: Sequence[StorageEntry],
+        sigs: Sequence[Signature | None],
+    ) -> None:
+        """Record that slot ``ident`` holds ``step`` as committed now (call after the step's
+        checksums are in its manifest, while the slot is still leased or locked)."""
+        stamp = _stamp(self.ram.manifest_path(self.job_id, step, self.rank))
+        if stamp is None:
+            return
+        keep = {
+            entry.offset: (entry.nbytes, sig)
+            for entry, sig in zip(storages, sigs, strict=True)
+            if sig is not None and sig[2] == "cpu" and entry.nbytes >= self.min_bytes
+        }
+        with self._lock:
+            self._records[ident] = SlotRecord(step, stamp, keep)
+
+    def disable(self, sigs: Sequence[Signature | None], indices: Sequence[int]) -> None:
+        """Never skip these storages again (their hint was wrong once)."""
+        with self._lock:
+            for i in indices:
+                sig = sigs[i]
+                if sig is not None:
+                    self._disabled.add((sig[0], sig[1]))
+
+    def forget(self) -> None:
+        """Drop every record (a restore wrote the live tensors without bumping versions)."""
+        with self._lock:
+            self._records.clear()
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The outcome of :func:`confirm`."""
+
+    chunk_crc32c: list[int]
+    """CRC32C of each ``chunk_size`` chunk of the slot's first ``data_nbytes`` bytes."""
+    crc32c: int
+    """CRC32C of those bytes (combined from the chunk CRCs)."""
+    bad: list[int]
+    """Skipped storages whose live bytes differ from the slot's (empty: confirmed)."""
+
+
+def confirm(
+    enc: codec.EncodedState,
+    slot_addr: int,
+    skip: frozenset[int],
+    chunk_size: int,
+    pool: Executor | None = None,
+    workers: int = 1,
+) -> Confirmation:
+    """Checksum the slot at CPU address ``slot_addr`` (at least ``enc.data_nbytes`` bytes,
+    mapped and locked by the caller) per ``chunk_size`` chunk, and check that every storage in
+    ``skip`` (CPU storages) holds the same bytes in the slot as live.
+
+    Reads the slot once, plus the live bytes of the skipped storages once: each chunk touching
+    a skipped range is checksummed a second time with the live bytes in place of the slot's in
+    that range; only a chunk whose two CRCs differ is compared storage by storage. Runs on
+    ``pool`` in ``workers`` groups of chunks (the CRC library releases the GIL).
+    """
+    n = enc.data_nbytes
+    ranges = sorted(
+        (enc.storages[i].offset, enc.storages[i].nbytes, enc.sources[i].data_ptr(), i)
+        for i in skip
+        if enc.storages[i].nbytes
+    )
+    offsets = [r[0] for r in ranges]
+
+    def one(c0: int) -> tuple[int, list[int]]:
+        c1 = min(c0 + chunk_size, n)
+        real = crc32c_address(slot_addr + c0, c1 - c0)
+        k = max(0, bisect.bisect_right(offsets, c0) - 1)
+        touching = []
+        while k < len(ranges) and ranges[k][0] < c1:
+            off, nb = ranges[k][0], ranges[k][1]
+            if off + nb > c0:
+                touching.append(ranges[k])
+            k += 1
+        if not touching:
+            return real, []
+        virt, pos = 0, c0
+        for off, nb, src, _i in touching:
+            lo, hi = max(off, c0), min(off + nb, c1)
+            virt = crc32c_address(slot_addr + pos, lo - pos, virt)
+            virt = crc32c_address(src + (lo - off), hi - lo, virt)
+            pos = hi
+        virt = crc32c_address(slot_addr + pos, c1 - pos, virt)
+        if virt == real:
+            return real, []
+        bad = []
+        for off, nb, src, i in touching:
+            lo, hi = max(off, c0), min(off + nb, c1)
+            if crc32c_address(src + (lo - off), hi - lo) != crc32c_address(slot_addr + lo, hi - lo):
+                bad.append(i)
+        return real, bad
+
+    def run(starts: range) -> list[tuple[int, list[int]]]:
+        return [one(c0) for c0 in starts]
+
+    starts = range(0, n, chunk_size)
+    per = max(1, -(-len(starts) // max(1, workers)))
+    groups = [starts[g : g + per] for g in range(0, len(starts), per)]
+    if pool is None or len(groups) <= 1:
+        results = [r for g in groups for r in run(g)]
+    else:
+        futures = [pool.submit(run, g) for g in groups[1:]]
+        results = run(groups[0])
+        for fut in futures:
+            results.extend(fut.result())
+    crcs = [r[0] for r in results]
+    bad = sorted({i for r in results for i in r[1]})
+    whole = combine_chunks(crcs, n, chunk_size) if crcs else 0
+    return Confirmation(crcs, whole, bad)
+
+
+def live_signatures(
+    enc: codec.EncodedState, versions: list[int] | None = None
+) -> list[Signature | None]:
+    """:func:`storage_signatures` of ``enc`` with ``versions`` (default: the counters now)."""
+    if versions is None:
+        versions = [_version(t) for t in enc.live]
+    return storage_signatures(enc.live, versions, enc.sources)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference-mode tensors have no version counter
+        return -1

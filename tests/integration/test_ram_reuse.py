@@ -1,0 +1,213 @@
+"""In-place reuse of unchanged bytes in RAM slots (issue 18, :mod:`strata.client.reuse`): real
+tmpfs slots in /dev/shm, the real Checkpointer, a real trainer process killed mid-save."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from strata.client import Checkpointer
+from strata.client.reuse import confirm
+from strata.format import codec
+from strata.format.crc import chunk_crcs
+from strata.restore.staging import stage_into_ram
+from strata.tiers.posix import PosixTier
+from strata.tiers.slots import LocalSlotProvider
+from tests.fixtures import lora
+
+pytestmark = pytest.mark.integration
+
+JOB = lora.JOB
+
+
+def checkpointer(ram: Path) -> Checkpointer:
+    return Checkpointer(
+        job_id=JOB, ram_dir=ram, rank=0, world_size=1, keep=1, allow_fresh_start=True
+    )
+
+
+def ram_weights(c: Checkpointer, step: int) -> dict[str, torch.Tensor]:
+    """Step ``step`` as the RAM tier holds it: verified against its CRC32Cs, then decoded."""
+    m = c.ram.get_manifest(JOB, step, 0)
+    assert m.verified
+    path = c.ram.data_path(JOB, step, 0)
+    c.ram.verify_file(path, m)
+    tree: Any = codec.load(m, bytearray(path.read_bytes()[: m.data_nbytes]))
+    out = {f"base.{k}": v for k, v in tree["base"].items()}
+    out.update({f"ad.{k}": v for k, v in tree["adapters"].items()})
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def committed(c: Checkpointer) -> list[int]:
+    return sorted(s for s, e in c.ram.list_steps(JOB).items() if e.committed_ranks)
+
+
+def save(c: Checkpointer, state: dict[str, Any], step: int) -> int:
+    """Save ``step``, wait for its commit; the bytes written into the slot."""
+    assert c.save(step, state)
+    c.wait_copied()
+    c.wait()
+    n = c.saver.last_copied_nbytes
+    assert n is not None
+    return n
+
+
+def test_frozen_base_is_written_once_per_slot_and_every_step_restores(shm_dir: Path) -> None:
+    state = lora.make_state()
+    with checkpointer(shm_dir / "ram") as c:
+        c.restore(state)
+        written = []
+        for step in range(1, 9):
+            lora.fill(state, step)
+            written.append(save(c, state, step))
+            assert c.failed_saves == 0, c.last_error
+            assert committed(c)[-1] == step
+            assert same(ram_weights(c, step), lora.weights(state)), step
+        total = c.ram.get_manifest(JOB, 8, 0).data_nbytes
+    # Each of the ring's 2 slots takes the whole state once; then only the adapters.
+    assert written[:2] == [total, total]
+    assert written[2:] == [total - lora.BASE_BYTES] * 6
+    assert written[2] < 0.02 * total
+    # and a restore (a new trainer) gets the newest step bit for bit
+    fresh = lora.make_state()
+    lora.fill(fresh, 0)
+    with checkpointer(shm_dir / "ram") as c:
+        assert c.restore(fresh).step == 8
+    lora.fill(state, 8)
+    assert same(lora.weights(fresh), lora.weights(state))
+
+
+def test_a_write_through_data_is_caught_and_never_committed(shm_dir: Path) -> None:
+    state = lora.make_state()
+    with checkpointer(shm_dir / "ram") as c:
+        c.restore(state)
+        for step in range(1, 5):
+            lora.fill(state, step)
+            save(c, state, step)
+        # A 'frozen' weight changed behind the version counter's back.
+        frozen = state["base"][1].weight
+        before = frozen._version
+        frozen.data.copy_(torch.full_like(frozen, 0.5))
+        assert frozen._version == before
+        lora.fill(state, 5)
+        assert c.save(5, state)  # the copy of the changed bytes is done ...
+        assert c.wait_copied() is False  # ... but the confirmation refused the commit
+        assert c.failed_saves == 1
+        assert c.last_error is not None and "version counter" in c.last_error
+        assert committed(c) == [4]  # its slot held step 3; step 4 is intact
+        # Later saves copy that storage every time and commit the live bytes.
+        for step in (6, 7, 8):
+            lora.fill(state, step)
+            n = save(c, state, step)
+            assert c.failed_saves == 1
+            assert n >= 512 * 512 * 4 + (
+                c.ram.get_manifest(JOB, step, 0).data_nbytes - lora.BASE_BYTES
+            )
+            assert same(ram_weights(c, step), lora.weights(state))
+        live = lora.weights(state)
+    fresh = lora.make_state()
+    with checkpointer(shm_dir / "ram") as c:
+        assert c.restore(fresh).step == 8
+    assert same(lora.weights(fresh), live)
+    assert torch.equal(fresh["base"][1].weight, torch.full((512, 512), 0.5))
+
+
+def test_layout_change_restore_restart_and_a_staged_slot_force_full_copies(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    ram = shm_dir / "ram"
+    pvc = PosixTier(tmp_path / "pvc")
+    state = lora.make_state()
+    with checkpointer(ram) as c:
+        c.restore(state)
+        for step in range(1, 5):
+            lora.fill(state, step)
+            save(c, state, step)
+            if step == 1:  # an older copy elsewhere, for the staging below
+                pvc.put_shard(JOB, 1, 0, c.ram.data_path(JOB, 1, 0), c.ram.get_manifest(JOB, 1, 0))
+        total = c.ram.get_manifest(JOB, 4, 0).data_nbytes
+        # 1. the sidecar's staging routine writes another shard into the oldest slot
+        stage_into_ram([pvc], c.ram, LocalSlotProvider(c.ram, keep=1), JOB, 1, 0, world_size=1)
+        assert committed(c) == [1, 4]
+        lora.fill(state, 5)
+        assert save(c, state, 5) == total
+        lora.fill(state, 6)
+        assert save(c, state, 6) == total - lora.BASE_BYTES  # the other slot still had its record
+        # 2. a layout change: a new storage in front of the base moves every offset
+        moved: dict[str, Any] = {"extra": torch.ones(1000), **state}
+        for step in (7, 8):
+            lora.fill(state, step)
+            n = save(c, moved, step)
+            assert n == c.ram.get_manifest(JOB, step, 0).data_nbytes
+        lora.fill(state, 9)
+        assert save(c, moved, 9) < 0.02 * n
+        # 3. a restore writes the live tensors without bumping their version counters
+        c.restore(moved)
+        for step in (10, 11):
+            lora.fill(state, step)
+            assert save(c, moved, step) == n
+        assert c.failed_saves == 0, c.last_error
+        assert same(ram_weights(c, 11), lora.weights(state))
+    # 4. a new trainer process knows no slot: full copies until each slot has its record
+    with checkpointer(ram) as c:
+        c.restore(moved)
+        sizes = []
+        for step in (12, 13, 14):
+            lora.fill(state, step)
+            sizes.append(save(c, moved, step))
+        assert sizes == [n, n, sizes[2]] and sizes[2] < 0.02 * n
+        assert c.failed_saves == 0, c.last_error
+        assert same(ram_weights(c, 14), lora.weights(state))
+
+
+def test_a_trainer_killed_before_the_confirmation_commits_leaves_the_previous_step(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "strata.client", "tests.fixtures.lora"])
+    ram = shm_dir / "ram"
+    log = tmp_path / "saved.log"
+    # Steps 1 and 2 fill the ring; step 3 leaves the base in place and dies in the background
+    # before its confirmation commits it.
+    p = ctx.Process(target=lora.trainer, args=(str(ram), str(log), "save.confirm=kill"))
+    p.start()
+    p.join(timeout=120)
+    assert p.exitcode == -signal.SIGKILL
+    saved = [line.split() for line in log.read_text().splitlines()]
+    assert [int(s) for s, _n in saved] == [1, 2]
+    state = lora.make_state()
+    with checkpointer(ram) as c:
+        listing = c.ram.list_steps(JOB)
+        assert sorted(listing) == [2]  # step 3 took step 1's slot: not committed, not linked
+        assert c.restore(state).step == 2
+    expected = lora.make_state()
+    lora.fill(expected, 2)
+    assert same(lora.weights(state), lora.weights(expected))
+    assert os.path.exists(ram / JOB / "slots")
+
+
+def test_confirm_finds_the_storage_that_differs_across_chunk_boundaries() -> None:
+    """:func:`confirm` on a bytearray 'slot' with 4 KiB chunks: storages straddle chunks."""
+    a, b, c = torch.arange(3000, dtype=torch.float32), torch.ones(5000), torch.zeros(700)
+    enc = codec.encode({"a": a, "b": b, "c": c})
+    slot = bytearray(enc.data_nbytes)
+    codec.write_data(enc, slot)
+    addr = torch.frombuffer(slot, dtype=torch.uint8).data_ptr()
+    res = confirm(enc, addr, frozenset({0, 1}), 4096)
+    assert res.bad == []
+    assert (res.chunk_crc32c, res.crc32c) == chunk_crcs(slot, enc.data_nbytes, 4096)
+    b[4321] = 2.0  # live differs from the slot in storage 1 only, mid-chunk
+    res = confirm(enc, addr, frozenset({0, 1}), 4096)
+    assert res.bad == [1]
+    assert (res.chunk_crc32c, res.crc32c) == chunk_crcs(slot, enc.data_nbytes, 4096)
+    assert confirm(enc, addr, frozenset({0, 2}), 4096).bad == []  # not skipped: not compared
