@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -145,3 +147,66 @@ def test_a_shard_without_checksums_is_checksummed_by_the_load(shm_dir: Path) -> 
         sealed = c.ram.get_manifest(JOB, 2, 0)
     _same(live, saved)
     assert sealed.chunk_crc32c == m.chunk_crc32c and sealed.crc32c == m.crc32c
+
+
+def test_a_ram_hit_after_a_save_reads_the_savers_own_mapping(shm_dir: Path) -> None:
+    saved = _state(11)
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1, copy_threads=2) as c:
+        assert c.save(3, saved)
+        c.wait()
+        m = c.ram.get_manifest(JOB, 3, 0)
+        path = c.ram.data_path(JOB, 3, 0)
+        mapped = c.saver.mapping_of(path)  # the slot this save wrote, mapped by the saver
+        assert mapped is not None and len(mapped) >= m.data_nbytes
+        assert c.saver.mapping_of(shm_dir / "nowhere") is None
+        other = shm_dir / "other.bin"
+        other.write_bytes(b"x" * 16)
+        assert c.saver.mapping_of(other) is None  # a file no slot mapping maps
+        live = _state(12)
+        with ThreadPoolExecutor(2) as pool:
+            out = load_shard(live, m, path, pool=pool, workers=2, verify=True, mapped=mapped)
+        _same(live, saved)
+        assert out.chunk_crc32c == m.chunk_crc32c and out.crc32c == m.crc32c
+        # a mapping shorter than the shard is refused before anything is written
+        untouched = _state(13)
+        before = copy.deepcopy(untouched)
+        short = mmap.mmap(-1, 4096)
+        with pytest.raises(ValueError, match="4096 bytes"):
+            load_shard(untouched, m, path, pool=None, workers=1, verify=True, mapped=short)
+        _same(untouched, before)
+        short.close()
+
+
+def test_a_corrupt_chunk_is_named_through_the_savers_mapping_too(shm_dir: Path) -> None:
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
+        assert c.save(1, _state(14))
+        c.wait()
+        m = c.ram.get_manifest(JOB, 1, 0)
+        path = c.ram.data_path(JOB, 1, 0)
+        mapped = c.saver.mapping_of(path)
+        assert mapped is not None
+        at = 8 * 1024 * 1024 + 5  # inside chunk 2
+        with open(path, "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x01]))
+        with pytest.raises(ShardCorrupt, match="chunk 2 "):
+            load_shard(_state(15), m, path, pool=None, workers=1, verify=True, mapped=mapped)
+
+
+def test_a_shard_its_stager_verified_is_copied_without_a_checksum_pass(shm_dir: Path) -> None:
+    saved = _state(16)
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
+        assert c.save(1, saved)
+        c.wait()
+        m = c.ram.get_manifest(JOB, 1, 0)
+        path = c.ram.data_path(JOB, 1, 0)
+    live = _state(17)
+    with ThreadPoolExecutor(2) as pool:
+        out = load_shard(live, m, path, pool=pool, workers=3, verify=False, checksum=False)
+    _same(live, saved)
+    assert out.chunk_crc32c == [] and out.crc32c == 0
+    # verify=True always checksums (checksum=False cannot turn verification off)
+    out = load_shard(_state(18), m, path, pool=None, workers=1, verify=True, checksum=False)
+    assert out.chunk_crc32c == m.chunk_crc32c

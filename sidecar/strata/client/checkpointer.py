@@ -321,6 +321,7 @@ class Checkpointer:
         self.incarnation = ""
         """The incarnation opened by the last :meth:`restore` (``""`` before any)."""
         self._sharded_load = ShardedLoad(self.rank, self.world_size, self.world_size)
+        self._loaded_hint: tuple[int, bool] | None = None
         self._tier_notes: list[str] = []
 
     # -- tiers ----------------------------------------------------------------------------------
@@ -564,7 +565,7 @@ class Checkpointer:
                 result.seconds,
             )
             self._report_restore(result, "restored")
-            self._prepare_quietly(state)
+            self._prepare_after_load(state)
             return result
         searched = ", ".join(
             f"{t}={self._tier_location(t)}" for t in self.config.tiers_in_restore_order()
@@ -598,6 +599,17 @@ class Checkpointer:
             f"{'; '.join(notes) or 'none'}). Set restore.allowFreshStart in the CheckpointPolicy "
             "(or allow_fresh_start=True) to start from scratch"
         )
+
+    def _prepare_after_load(self, state: Any) -> None:
+        """Slots for the next save, in the background, sized by the shard just loaded (the live
+        state now has its tree; encoding the state again only to size them cost ~30 us per
+        tensor on the restore path); a save that needs more prepares again
+        (``Saver._after_save``)."""
+        hint, self._loaded_hint = self._loaded_hint, None
+        if hint is None or hint[0] <= 0:
+            self._prepare_quietly(state)
+            return
+        self.saver.prepare_in_background(hint[0], hint[1])
 
     def _prepare_quietly(self, state: Any) -> None:
         """Slots for the next save, in the background (never fails the restore)."""
@@ -693,6 +705,10 @@ class Checkpointer:
                 pool=self.saver.copy_pool,
                 workers=self.saver.copy_threads,
                 verify=verify,
+                # A shard its stager verified (or a policy without verification) is copied
+                # only; one without checksums yet is checksummed on the way.
+                checksum=verify or not m.verified,
+                mapped=self.saver.mapping_of(lease.path),
                 device_source=lambda: self.saver.host_view(lease.path),
                 resolve=load.resolve,
             )
@@ -706,6 +722,9 @@ class Checkpointer:
                     "earlier record"
                 )
         self._sharded_load = load
+        # Sharded tensors go to the resharding restore, not the loader: their device is unknown
+        # here, so such a state is sized by encoding it (after the load, as before).
+        self._loaded_hint = None if m.sharded else (m.data_nbytes, out.cuda)
         return out.tree
 
     def _finish_sharded(self, load: ShardedLoad, step: int, notes: list[str]) -> None:

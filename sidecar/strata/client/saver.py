@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import mmap
 import os
 import threading
 import time
@@ -72,7 +73,14 @@ from strata.format.encode_cache import EncodeCache
 from strata.format.manifest import DEFAULT_CHUNK_SIZE, Manifest, StorageEntry
 from strata.protocol import ClientEvent, SaveEvent
 from strata.tiers.ram import RamTier
-from strata.tiers.slots import Identity, SlotLease, SlotProvider, SlotWriteLock, slots_dir
+from strata.tiers.slots import (
+    Identity,
+    SlotLease,
+    SlotProvider,
+    SlotWriteLock,
+    path_identity,
+    slots_dir,
+)
 
 log = logging.getLogger("strata.client")
 
@@ -537,6 +545,12 @@ class Saver:
                     return None
                 return torch.frombuffer(mm, dtype=torch.uint8)
         return None
+
+    def mapping_of(self, data_path: Path) -> mmap.mmap | None:
+        """This process's populated mapping of the RAM slot that is ``data_path`` (the same
+        inode), if it already maps one (never maps here): a restore reads it without a page
+        fault. None otherwise."""
+        return self._maps.mapping_of(path_identity(data_path))
 
     def prepare_in_background(self, nbytes: int, cuda: bool = False) -> Future[int]:
         """:meth:`prepare` on the background thread; failures are logged, never raised."""

@@ -514,6 +514,13 @@ class SlotMaps:
         cur = self._maps.get(path)
         return cur.ident if cur is not None else None
 
+    def mapping_of(self, ident: Identity | None) -> mmap.mmap | None:
+        """The cached mapping of the inode ``ident`` (whatever path maps it), or None."""
+        for entry in self._maps.values():
+            if ident is not None and entry.ident == ident:
+                return entry.mm
+        return None
+
     def forget(self, path: Path) -> None:
         """Drop the mapping of ``path`` (if any)."""
         if path in self._maps:
