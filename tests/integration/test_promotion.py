@@ -286,3 +286,68 @@ def test_pods_at_different_steps_promote_the_same_aligned_step_so_the_pvc_step_i
     assert pvc.newest_complete_step(JOB) == 100
     assert pvc_bytes(pvc, 100, 1) == payload(100, 1)
     assert pvc_bytes(pvc, 100, 0) == payload(100, 0)
+
+
+class _Inotify:
+    """The kernel's inotify on one directory (real file-system events, via libc)."""
+
+    ACCESS, CLOSE_WRITE, CLOSE_NOWRITE, OPEN = 0x01, 0x08, 0x10, 0x20
+
+    def __init__(self, directory: Path) -> None:
+        import ctypes
+        import ctypes.util
+
+        self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            pytest.skip(f"inotify unavailable: {os.strerror(ctypes.get_errno())}")
+        mask = self.ACCESS | self.CLOSE_WRITE | self.CLOSE_NOWRITE | self.OPEN
+        if self._libc.inotify_add_watch(self.fd, str(directory).encode(), mask) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify_add_watch {directory}")
+
+    def events(self) -> list[tuple[str, int]]:
+        """(file name, event mask) of every event since the last call."""
+        import struct
+
+        out: list[tuple[str, int]] = []
+        while True:
+            try:
+                raw = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return out
+            i = 0
+            while i < len(raw):
+                _wd, mask, _cookie, n = struct.unpack_from("iIII", raw, i)
+                name = raw[i + 16 : i + 16 + n].rstrip(b"\0").decode()
+                out.append((name, mask))
+                i += 16 + n
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def test_a_pvc_promotion_writes_the_copy_once_and_never_reads_it_back(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 14 (promotion at the copy floor): the PVC tier checks the very bytes it writes, so
+    the engine does not re-read the committed copy (a read-back after fsync reads the page
+    cache, not the disk). The kernel's inotify shows every open of the data file."""
+    ram, pvc, engine, events = pvc_rig(shm_dir, tmp_path)
+    data = os.urandom(300_000)
+    write_ram_shard(ram, JOB, 20, 0, data)
+    step_dir = pvc.step_dir(JOB, 20)
+    step_dir.mkdir(parents=True)
+    watch = _Inotify(step_dir)
+    try:
+        assert engine.promote_once().promoted == {"pvc": 20}
+        seen = [
+            m for name, m in watch.events() if name == layout.shard_stem(0) + layout.DATA_SUFFIX
+        ]
+    finally:
+        watch.close()
+    assert seen, "inotify saw nothing: the watch is broken"
+    assert any(m & _Inotify.CLOSE_WRITE for m in seen)
+    assert not [m for m in seen if m & (_Inotify.CLOSE_NOWRITE | _Inotify.ACCESS)], seen
+    kinds = [e.kind for e in events.events if e.step == 20]
+    assert "promoted" in kinds and "checksum_mismatch" not in kinds, kinds
+    assert pvc_bytes(pvc, 20) == data  # and the copy is right

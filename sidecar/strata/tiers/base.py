@@ -105,6 +105,13 @@ class Tier(abc.ABC):
 
     name: TierName
 
+    put_checks_written: bool = False
+    """True when :meth:`put_shard` (with ``verify_source``), having written bytes (returned
+    > 0), has itself established that the committed data object holds exactly the bytes its
+    manifest describes (the POSIX tiers checksum the very bytes they write; GCS compares the
+    server's CRC32C of the stored object). The promotion engine then skips its read-back
+    verification of the copy. False (the default): the engine verifies every copy."""
+
     @abc.abstractmethod
     def list_steps(self, job_id: str) -> dict[int, StepListing]:
         """Every step of ``job_id`` with at least one data object or manifest, by step."""

@@ -4,10 +4,13 @@ Layout (:mod:`strata.format.layout`): ``<root>/<job>/steps/<step:012d>/rank-<r:0
 
 Commit protocol (docs/architecture.md "Commit protocol"), in :meth:`PosixTier.put_shard`:
 
-1. check the source against the manifest's CRC32Cs (a corrupt RAM copy is never promoted);
-2. write the data object from ``src_path`` in the kernel (``os.copy_file_range``, else
-   ``os.sendfile``, else read/write), ``fsync`` it;
-3. write the manifest to a temporary name, ``fsync`` it, ``rename`` it to ``rank-R.manifest``
+1. write the data object from ``src_path``, checking the source against the manifest's CRC32Cs
+   in the same pass (:func:`strata.tiers.checked_copy.copy_checked`: each block read once,
+   checksummed and written from one buffer, so the bytes checked are the bytes written and no
+   read-back is needed; a corrupt RAM copy is never committed), ``fsync`` it. Without
+   ``verify_source`` the kernel copies (``os.copy_file_range``, else ``os.sendfile``, else
+   read/write);
+2. write the manifest to a temporary name, ``fsync`` it, ``rename`` it to ``rank-R.manifest``
    (the commit point), ``fsync`` the step directory.
 
 An ``fsync`` error abandons the attempt: the files this call wrote are removed and
@@ -30,10 +33,8 @@ import contextlib
 import errno
 import logging
 import os
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from strata import faults
@@ -42,6 +43,7 @@ from strata.errors import ShardCorrupt, ShardUnavailable, TierError, TierFull
 from strata.format import crc, layout
 from strata.format.manifest import Manifest
 from strata.tiers.base import StepListing, Tier, parse_manifest
+from strata.tiers.checked_copy import copy_checked
 from strata.tiers.posix_records import PosixRecords
 
 log = logging.getLogger(__name__)
@@ -97,27 +99,6 @@ def copy_range(src_fd: int, dst_fd: int, nbytes: int, dst_offset: int = 0) -> No
         done += n
 
 
-class _Background:
-    """``fn(*args)`` on a thread of its own; :meth:`result` joins it and re-raises its error."""
-
-    def __init__(self, fn: Callable[..., object], *args: object) -> None:
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn(*args)
-            except BaseException as exc:  # handed to the caller by result()
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name="strata-verify-source", daemon=True)
-        self._thread.start()
-
-    def result(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
 def remove_quietly(path: Path) -> None:
     try:
         path.unlink()
@@ -136,6 +117,7 @@ class PosixTier(PosixRecords, Tier):
     """
 
     name: TierName = "pvc"
+    put_checks_written = True
 
     def __init__(
         self,
@@ -365,7 +347,9 @@ class PosixTier(PosixRecords, Tier):
         """Commit a shard from ``src_path`` (its first ``manifest.data_nbytes`` bytes).
 
         The manifest must carry its checksums. With ``verify_source`` the source is checked
-        against them first (:class:`ShardCorrupt` when it does not match; nothing written).
+        against them while it is copied, in one pass (:class:`ShardCorrupt` when it does not
+        match: what was written is removed, nothing is committed). The committed copy is then
+        known to hold the checked bytes (:attr:`Tier.put_checks_written`).
         Returns data bytes written (0 when this exact shard is already committed here).
         Raises :class:`TierFull` on ENOSPC/EDQUOT and :class:`TierError` on other errors
         (including a failed fsync); in both cases the files this call wrote are removed and
@@ -378,16 +362,12 @@ class PosixTier(PosixRecords, Tier):
                 "manifest has no checksums yet (only checksummed shards are promoted)"
             )
         src = Path(src_path)
-        # The source is checksummed while the kernel copies it (both release the GIL; issue 14:
-        # promotion at the copy floor); a mismatch is found before the manifest is written, so
-        # nothing is committed and the bytes written are removed.
-        check = _Background(self.verify_file, src, manifest) if verify_source else None
         d = self.step_dir(job_id, step)
         data = self.data_path(job_id, step, rank)
         man = self.manifest_path(job_id, step, rank)
         if self._already_committed(job_id, step, rank, manifest):
-            if check is not None:
-                check.result()
+            if verify_source:
+                self.verify_file(src, manifest)
             return 0
         written: list[Path] = []
         try:
@@ -395,25 +375,22 @@ class PosixTier(PosixRecords, Tier):
             if man.exists():
                 # A different copy of this shard is committed: un-commit it before its data is
                 # replaced, so no reader ever pairs the old manifest with new bytes -- and only
-                # once the new source is known good, so a bad source never costs the old copy. The
-                # step's global commit record named the old copy: it goes first.
-                if check is not None:
-                    check.result()
+                # once the new source is known good, so a bad source never costs the old copy
+                # (a second read of the source, on this rare path only). The step's global
+                # commit record named the old copy: it goes first.
+                if verify_source:
+                    self.verify_file(src, manifest)
                 remove_quietly(d / layout.COMMIT_NAME)
                 man.unlink()
                 self._sync_dir(d)
             try:
-                self._write_data(src, data, manifest.data_nbytes, written)
-            finally:
-                try:
-                    if check is not None:
-                        check.result()
-                except ShardCorrupt:
-                    for p in reversed(written):
-                        remove_quietly(p)
-                    with contextlib.suppress(OSError):
-                        d.rmdir()
-                    raise
+                self._write_data(src, data, manifest, written, verify_source)
+            except ShardCorrupt:
+                for p in reversed(written):
+                    remove_quietly(p)
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+                raise
             faults.point("posix.data_written")
             tmp = man.with_name(f"{man.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self._write_file(tmp, manifest.to_json(), written)
@@ -468,16 +445,40 @@ class PosixTier(PosixRecords, Tier):
         if self.fsync:
             fsync_dir(d)
 
-    def _write_data(self, src: Path, dst: Path, nbytes: int, written: list[Path]) -> None:
-        sfd = os.open(src, os.O_RDONLY)
+    def _write_data(
+        self, src: Path, dst: Path, manifest: Manifest, written: list[Path], check: bool
+    ) -> None:
+        """Write the data object and fsync it; with ``check`` in one checked pass (raises
+        :class:`ShardCorrupt` when the source does not match ``manifest``)."""
+        nbytes = manifest.data_nbytes
+        try:
+            sfd = os.open(src, os.O_RDONLY)
+        except FileNotFoundError:
+            if not check:
+                raise
+            raise ShardCorrupt(f"{src}: data object missing under a committed manifest") from None
         try:
             dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             written.append(dst)
             try:
-                try:
-                    copy_range(sfd, dfd, nbytes)
-                except EOFError as exc:
-                    raise OSError(errno.EIO, f"{src} is shorter than its manifest: {exc}") from exc
+                if check:
+                    copy_checked(
+                        sfd,
+                        dfd,
+                        nbytes,
+                        manifest.chunk_size,
+                        manifest.chunk_crc32c or [],
+                        manifest.crc32c or 0,
+                        src_name=str(src),
+                        writeback=self.fsync,
+                    )
+                else:
+                    try:
+                        copy_range(sfd, dfd, nbytes)
+                    except EOFError as exc:
+                        raise OSError(
+                            errno.EIO, f"{src} is shorter than its manifest: {exc}"
+                        ) from exc
                 if self.fsync:
                     os.fsync(dfd)
             finally:

@@ -62,6 +62,8 @@ class RamTier(PosixTier):
     fsync is off: on tmpfs it is a no-op, and RAM-tier durability is the pod's lifetime.
     """
 
+    put_checks_written = False  # put_shard checks the source, then copies in the kernel
+
     def __init__(
         self, root: str | os.PathLike[str], *, keep: int = 1, verify_threads: int = 1
     ) -> None:

@@ -1,5 +1,7 @@
-"""Copying one shard to a durable tier: from the nearest source that holds it, verified after
-the commit, retried with exponential backoff (at most ``max_attempts`` per (tier, step, rank)).
+"""Copying one shard to a durable tier: from the nearest source that holds it, verified (by the
+tier's own checked write where it does one, :attr:`Tier.put_checks_written`, else by reading the
+committed copy back), retried with exponential backoff (at most ``max_attempts`` per (tier, step,
+rank)).
 
 A source whose bytes do not match its manifest is quarantined (RAM or PVC) and never retried in
 a loop (C-04); a committed copy that fails verification is quarantined in the destination.
@@ -116,7 +118,8 @@ class ShardCopier:
             if self.holds(dest, step, rank, manifest):
                 return True, 0, ""
             nbytes = self._copy(name, dest, step, rank, manifest)
-            self._verify_copy(dest, step, rank)
+            if nbytes == 0 or not dest.put_checks_written:
+                self._verify_copy(dest, step, rank)
         except Exception as exc:  # one bad shard never stops the engine
             if isinstance(exc, TierFull):
                 self.full[name] = step

@@ -93,6 +93,7 @@ class GcsTier(GcsUploader, GcsDownloader, GcsRecords, Tier):
     """
 
     name: TierName = "gcs"
+    put_checks_written = True  # put_shard compares the stored object's CRC32C with the manifest
 
     def __enter__(self) -> GcsTier:
         return self
