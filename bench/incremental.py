@@ -2,10 +2,16 @@
 state) saved by the real Checkpointer into a tmpfs RAM tier and promoted by the real engine to a
 PVC directory and fake-gcs-server, with incremental copies on vs off.
 
-Per save: bytes the save copies into RAM (always the whole state: the stall does not grow), the
-stall, and the bytes each promotion writes to the PVC and to GCS (the engine's ``promoted``
-events). Modes: ``full`` (incremental copies off), ``incremental``, ``archive`` (GCS keeps the
-weights only, ``components: [base, adapters]``, each copy in full: GCS bytes per archive step). Run: ``python -m bench.incremental [--base-mib 1024] [--steps 4] [--out FILE]``.
+Per save: bytes the save writes into its RAM slot (``Saver.last_copied_nbytes``: storages the
+slot already holds are left in place, :mod:`strata.client.reuse`), the stall, the background
+time until the step is committed and checksummed (the checksum pass, or the confirmation of the
+bytes left in place), and the bytes each promotion writes to the PVC and to GCS (the engine's
+``promoted`` events). Modes: ``full`` (every tier copies everything: RAM reuse and incremental
+copies off), ``incremental``, ``archive`` (GCS keeps the weights only, ``components: [base,
+adapters]``, each copy in full: GCS bytes per archive step). After the runs, ``confirm_vs_copy``
+times, on the same state and threads, copying the frozen base into a slot against confirming it
+in place (CRC32C of the live bytes and of the slot's): the price of confirming inside the stall.
+Run: ``python -m bench.incremental [--base-mib 1024] [--steps 4] [--out FILE]``.
 Needs fake-gcs-server (``strata.testing.emulator``) and ~4x the base size of free memory.
 """
 
@@ -13,17 +19,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from strata import Checkpointer
+from strata.client.reuse import confirm
 from strata.config import StrataConfig
+from strata.format import codec
+from strata.format.manifest import DEFAULT_CHUNK_SIZE
 from strata.sidecar.promotion import PromotionEngine, PromotionEvent
 from strata.testing.emulator import FakeGcsServer
 from strata.tiers.gcs import GcsTier
@@ -89,14 +100,19 @@ def run(
     engine.copier.incremental = mode != "full"
     rows = []
     with Checkpointer(cfg, rank=0, world_size=1) as c:
+        c.saver.reuse.enabled = mode != "full"
         for i in range(1, steps + 1):
             s = 10 * i
             train(s)
             state["step"] = s
             assert c.save(s, state), c.last_error
             stall = c.last_stall_seconds
+            t0 = time.perf_counter()
+            assert c.wait_copied() is not False, c.last_error
             c.wait()
+            commit_s = time.perf_counter() - t0
             ram_bytes = ram.get_manifest(JOB, s, 0).data_nbytes
+            ram_written = c.saver.last_copied_nbytes
             t0 = time.perf_counter()
             engine.promote_once()
             promote_s = time.perf_counter() - t0
@@ -111,6 +127,8 @@ def run(
                     "step": s,
                     "stall_s": stall,
                     "ram_bytes": ram_bytes,
+                    "ram_written": ram_written,
+                    "background_s": commit_s,
                     "pvc_bytes": written["pvc"],
                     "gcs_bytes": written["gcs"],
                     "promote_s": promote_s,
@@ -131,7 +149,7 @@ def run(
         res = c2.restore(state)
     restore_pvc = time.perf_counter() - t0
     gtier.close()
-    later = rows[1:]
+    later = rows[2:]  # the ring's two slots are each written in full once
     return {
         "mode": mode,
         "rows": rows,
@@ -139,10 +157,48 @@ def run(
         "restored_step": res.step,
         "median_after_first": {
             k: statistics.median(r[k] for r in later)
-            for k in ("stall_s", "ram_bytes", "pvc_bytes", "gcs_bytes", "promote_s")
+            for k in (
+                "stall_s",
+                "ram_bytes",
+                "ram_written",
+                "background_s",
+                "pvc_bytes",
+                "gcs_bytes",
+                "promote_s",
+            )
         }
         if later
         else {},
+    }
+
+
+def confirm_vs_copy(base_mib: int, threads: int, rounds: int = 3) -> dict[str, Any]:
+    """Seconds to copy the frozen base into a pre-faulted buffer vs to confirm it in place
+    (:func:`strata.client.reuse.confirm`: slot CRC32Cs + the live bytes' CRC32Cs), best of
+    ``rounds``, with ``threads`` threads each."""
+    state, _train = lora_state(base_mib)
+    enc = codec.encode(state)
+    big = frozenset(i for i, e in enumerate(enc.storages) if e.nbytes >= 1 << 20)
+    only = frozenset(range(len(enc.storages))) - big
+    slot = torch.empty(enc.data_nbytes, dtype=torch.uint8)
+    slot.fill_(0)  # pre-faulted, like a slot
+    copy_s, confirm_s = [], []
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            codec.write_data(enc, slot, pool, skip=only)  # the base only
+            copy_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            res = confirm(enc, slot.data_ptr(), big, DEFAULT_CHUNK_SIZE, pool, threads)
+            confirm_s.append(time.perf_counter() - t0)
+            assert not res.bad
+    nbytes = sum(enc.storages[i].nbytes for i in big)
+    return {
+        "base_bytes": nbytes,
+        "threads": threads,
+        "copy_s": min(copy_s),
+        "confirm_s": min(confirm_s),
+        "confirm_over_copy": min(confirm_s) / min(copy_s),
     }
 
 
@@ -154,6 +210,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["full", "incremental", "archive"])
     ap.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="RAM tier (tmpfs)")
     ap.add_argument("--disk", type=Path, default=Path("/tmp"), help="PVC tier (a disk)")
+    ap.add_argument("--threads", type=int, default=4, help="copy threads (confirm_vs_copy)")
     args = ap.parse_args()
     out = []
     with (
@@ -165,7 +222,13 @@ def main() -> None:
             out.append(run(mode, args.base_mib, args.steps, Path(tmp), Path(disk), gcs))
             shutil.rmtree(Path(tmp) / mode, ignore_errors=True)
             shutil.rmtree(Path(disk) / mode, ignore_errors=True)
-    doc = {"base_mib": args.base_mib, "steps": args.steps, "runs": out}
+    doc = {
+        "base_mib": args.base_mib,
+        "steps": args.steps,
+        "runs": out,
+        "confirm_vs_copy": confirm_vs_copy(args.base_mib, args.threads),
+        "load_at_end": os.getloadavg(),
+    }
     text = json.dumps(doc, indent=2)
     print(text)
     if args.out:

@@ -86,6 +86,8 @@ class SlotReuse:
         self.job_id = job_id
         self.rank = rank
         self.min_bytes = min_bytes
+        self.enabled = True
+        """False: :meth:`plan` leaves nothing in place (every save copies everything)."""
         self._records: dict[Identity, SlotRecord] = {}
         self._disabled: set[tuple[int, int]] = set()
         """(address, nbytes) of storages whose hint was wrong once: always copied."""
@@ -120,7 +122,7 @@ class SlotReuse:
     ) -> frozenset[int]:
         """Indices of the storages of ``enc`` that the slot of ``rec`` already holds
         (``versions``: the version counters of ``enc.live`` now). Empty without a record."""
-        if rec is None or not rec.storages:
+        if rec is None or not rec.storages or not self.enabled:
             return frozenset()
         sigs = storage_signatures(enc.live, versions, enc.sources)
         out = []

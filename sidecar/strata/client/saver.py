@@ -151,7 +151,9 @@ class Saver:
         """The stall of every successful save, seconds, in order."""
         self.last_saved_step: int | None = None
         self._unchanged = UnchangedTracker()
-        self._reuse = SlotReuse(ram, job_id, rank)
+        self.reuse = SlotReuse(ram, job_id, rank)
+        """What each slot holds (:mod:`strata.client.reuse`); ``reuse.enabled = False`` copies
+        every storage on every save."""
         self.last_copied_nbytes: int | None = None
         """Bytes the newest save wrote into its RAM slot (storages left in place are not
         written: :mod:`strata.client.reuse`)."""
@@ -274,13 +276,13 @@ class Saver:
         background confirmation: then True); returns (data bytes, deferred)."""
         enc = self._encode(state, replicated)
         stream = self._stream(enc)
-        valid = self._reuse.validate()
+        valid = self.reuse.validate()
         lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
         deferred = False
         try:
-            rec = self._reuse.take(lock.identity, valid)  # before anything writes into the slot
+            rec = self.reuse.take(lock.identity, valid)  # before anything writes into the slot
             versions = [_version(t) for t in enc.live]
-            skip = self._reuse.plan(rec, enc, versions)
+            skip = self.reuse.plan(rec, enc, versions)
             mm = self._mapping(lock)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             try:
@@ -371,7 +373,7 @@ class Saver:
                 now = live_signatures(enc)
                 moved = [i for i in skip if now[i] != sigs[i]]
                 if res.bad:
-                    self._reuse.disable(sigs, res.bad)
+                    self.reuse.disable(sigs, res.bad)
                     raise StateChanged(
                         f"{len(res.bad)} storage(s) of the state ({_describe(enc, res.bad)}) "
                         f"differ from the bytes step {step} left in place in its RAM slot "
@@ -396,7 +398,7 @@ class Saver:
                 self.ram.commit_slot(
                     self.job_id, step, self.rank, lock.path, manifest, expect=lock.identity
                 )
-                self._reuse.remember(lock.identity, step, enc.storages, sigs)
+                self.reuse.remember(lock.identity, step, enc.storages, sigs)
             finally:
                 lock.release()
         except Exception as exc:
@@ -417,7 +419,7 @@ class Saver:
         stream = self._stream(enc)
         lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
         try:
-            self._reuse.take(lock.identity, frozenset())  # overwritten in full: drop its record
+            self.reuse.take(lock.identity, frozenset())  # overwritten in full: drop its record
             self.last_copied_nbytes = enc.data_nbytes
             mm = self._mapping(lock)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
@@ -592,7 +594,7 @@ class Saver:
                 if m is None or m.verified or m.created.isoformat() != created:
                     return
                 if self.ram.seal(lease, unchanged) is not None:
-                    self._reuse.remember(slot, step, storages, sigs)
+                    self.reuse.remember(slot, step, storages, sigs)
         except ShardUnavailable as exc:
             log.info("strata: step %d left the RAM tier before its checksum pass: %s", step, exc)
         except Exception as exc:
@@ -603,7 +605,7 @@ class Saver:
         """Start the "unchanged since" hint (and the slow components' held copies) afresh,
         after a restore wrote the live tensors."""
         self._unchanged = UnchangedTracker()
-        self._reuse.forget()
+        self.reuse.forget()
         if self.cadence is not None:
             self.cadence.forget()
 
