@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +212,58 @@ def test_confirm_finds_the_storage_that_differs_across_chunk_boundaries() -> Non
     assert res.bad == [1]
     assert (res.chunk_crc32c, res.crc32c) == chunk_crcs(slot, enc.data_nbytes, 4096)
     assert confirm(enc, addr, frozenset({0, 2}), 4096).bad == []  # not skipped: not compared
+
+
+def test_an_overlapped_save_drops_its_slots_record_and_reuse_resumes(shm_dir: Path) -> None:
+    """An overlapped save rewrites a whole slot (its record is dropped first); the blocking
+    saves after it leave the base in place again and every step holds the bytes saved."""
+    state = lora.make_state()
+    with checkpointer(shm_dir / "ram") as c:
+        c.restore(state)
+        for step in (1, 2, 3):
+            lora.fill(state, step)
+            save(c, state, step)
+        total = c.ram.get_manifest(JOB, 3, 0).data_nbytes
+        lora.fill(state, 4)
+        assert c.save(4, state, blocking=False)
+        assert c.wait_copied() is True
+        c.wait()
+        assert c.saver.last_copied_nbytes == total
+        assert same(ram_weights(c, 4), lora.weights(state))
+        written = []
+        for step in (5, 6, 7):
+            lora.fill(state, step)
+            written.append(save(c, state, step))
+            assert same(ram_weights(c, step), lora.weights(state))
+        assert c.failed_saves == 0, c.last_error
+    assert written == [total - lora.BASE_BYTES] * 3
+
+
+def test_a_frozen_tensor_changed_before_the_confirmation_fails_that_step_only(
+    shm_dir: Path,
+) -> None:
+    """C-01 for bytes left in place: the training loop changes a 'frozen' tensor in place right
+    after save() returned, before the background confirmation ran. That step is not committed
+    (its bytes can no longer be confirmed); it never commits the changed bytes as step 5."""
+    state = lora.make_state()
+    with checkpointer(shm_dir / "ram") as c:
+        c.restore(state)
+        for step in range(1, 5):
+            lora.fill(state, step)
+            save(c, state, step)
+        gate = threading.Event()
+        c.saver._bg.submit(gate.wait)  # the background thread is busy until the change is made
+        lora.fill(state, 5)
+        assert c.save(5, state)
+        saved5 = lora.weights(state)
+        with torch.no_grad():
+            state["base"][0].weight.add_(1.0)  # a real in-place op: the version counter moves
+        gate.set()
+        assert c.wait_copied() is False
+        assert c.last_error is not None and "changed in place" in c.last_error
+        assert committed(c) == [4]
+        lora.fill(state, 6)
+        save(c, state, 6)
+        assert c.failed_saves == 1
+        assert same(ram_weights(c, 6), lora.weights(state))
+        assert not torch.equal(ram_weights(c, 6)["base.0.weight"], saved5["base.0.weight"])

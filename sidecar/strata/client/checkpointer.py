@@ -359,7 +359,10 @@ class Checkpointer:
 
         Blocks only for the copy into a RAM slot (the stall, recorded in ``stall_seconds``).
         Returns False after logging and recording a failure (see the module docstring's failure
-        policy). Raises ValueError for a step that is not a non-negative int.
+        policy). Raises ValueError for a step that is not a non-negative int. Storages the slot
+        already holds (a frozen base) are not copied again; such a step is committed in the
+        background once they are confirmed by CRC32C, and :meth:`wait_copied` returns that
+        outcome (:mod:`strata.client.reuse`).
 
         ``blocking=False`` (overlapped): returns once the copies are enqueued (True) and commits
         when they complete; until :meth:`wait_copied` returns, do not change any tensor of

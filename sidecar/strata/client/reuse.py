@@ -28,8 +28,10 @@ frozen embeddings) need not be copied again. How it stays safe:
    (:meth:`SlotReuse.disable`). Per chunk the comparison is CRC32C against CRC32C, the same
    standard as the PVC/GCS references (:mod:`strata.format.incremental`).
 
-CUDA storages are always copied: confirming them would need their live bytes on the host (a
-device-to-host pass in the background), which this module does not do.
+States holding CUDA tensors are always copied in full (the Saver does not ask for a plan):
+confirming a CUDA storage needs its live bytes next to the slot's, which this module does not
+do, and no GPU was there to test it. Overlapped saves (``blocking=False``) are copied in full
+too, and drop the record of their slot first.
 """
 
 from __future__ import annotations

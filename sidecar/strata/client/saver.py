@@ -33,7 +33,7 @@ a little later; :meth:`Saver.wait_copied` returns its outcome, and :meth:`Saver.
 next ``save()`` wait for it. A confirmation that fails (a write the version counter did not
 see) makes the step a failed save, logged and counted like any other; the previous step is
 intact. ``last_copied_nbytes`` says how many bytes the newest save wrote. Overlapped saves
-and CUDA storages are always copied in full.
+and states holding CUDA tensors are always copied in full.
 
 ``prepare(nbytes)`` allocates, maps with ``MAP_POPULATE`` (and registers with CUDA) every slot
 of the ring before a save needs it: the checkpointer calls it in the background at ``restore()``
@@ -282,7 +282,8 @@ class Saver:
         try:
             rec = self.reuse.take(lock.identity, valid)  # before anything writes into the slot
             versions = [_version(t) for t in enc.live]
-            skip = self.reuse.plan(rec, enc, versions)
+            # CUDA states are always copied in full: confirming needs their bytes on the host
+            skip = self.reuse.plan(rec, enc, versions) if stream is None else frozenset()
             mm = self._mapping(lock)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             try:
@@ -372,21 +373,21 @@ class Saver:
                 res = confirm(enc, addr, skip, self.chunk_size, self.copy_pool, self.copy_threads)
                 now = live_signatures(enc)
                 moved = [i for i in skip if now[i] != sigs[i]]
-                if res.bad:
-                    self.reuse.disable(sigs, res.bad)
-                    raise StateChanged(
-                        f"{len(res.bad)} storage(s) of the state ({_describe(enc, res.bad)}) "
-                        f"differ from the bytes step {step} left in place in its RAM slot "
-                        "although no version counter moved: a write that bypassed the version "
-                        "counter (tensor.data, set_(), another process). Step "
-                        f"{step} is not committed; those storages are copied on every save "
-                        "from now on"
-                    )
                 if moved:
                     raise StateChanged(
                         f"{len(moved)} storage(s) left in place by the save of step {step} "
                         "changed in place before their bytes were confirmed, so that step is "
-                        "not committed"
+                        "not committed (their bytes as saved can no longer be confirmed)"
+                    )
+                if res.bad:
+                    self.reuse.disable(sigs, res.bad)
+                    raise StateChanged(
+                        f"{len(res.bad)} storage(s) of the state ({_describe(enc, res.bad)}) "
+                        "differ from the bytes left in place in the RAM slot that step "
+                        f"{step} reused, although no version counter moved: a write that "
+                        "bypassed the version counter (tensor.data, set_(), another process). "
+                        f"Step {step} is not committed; those storages are copied on every "
+                        "save from now on"
                     )
                 manifest = self._manifest(step, enc).model_copy(
                     update={
