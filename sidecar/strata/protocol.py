@@ -125,6 +125,11 @@ class StageRequest(JobRequest):
     rank: NonNegative
     world_size: Annotated[int, Field(ge=1)]
     sources: list[str] | None = None
+    verify_in_place: bool = True
+    """False: the client verifies a RAM hit while it loads it (one pass over the shard instead
+    of the sidecar's checksum pass followed by the client's copy); the reply's
+    ``deferred_verify`` says whether the sidecar left it to the client (a sidecar without this
+    field ignores it and verifies)."""
 
 
 class StageReply(Message):
@@ -138,6 +143,9 @@ class StageReply(Message):
     skipped: list[str] = []
     quarantined: list[str] = []
     """Tiers whose copy failed verification and was quarantined on the way."""
+    deferred_verify: bool = False
+    """True: ``path`` is a RAM hit the sidecar did NOT verify (``verify_in_place=False``); the
+    client must verify it while loading it and quarantine it on a mismatch."""
 
     @classmethod
     def of(cls, result: StageResult) -> StageReply:

@@ -300,6 +300,49 @@ def test_c06_recreated_pod_restores_from_the_pvc_through_the_sidecar(
     )
 
 
+def test_a_ram_hit_through_the_sidecar_is_verified_once_by_the_trainers_load(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    """Issue 14: asked to, the sidecar leaves a RAM hit's verification to the trainer's one-pass
+    load (instead of a checksum pass in the sidecar, then the trainer's copy); a corrupt RAM
+    copy is still caught, by the load, quarantined, and the restore falls to the PVC."""
+    torch = pytest.importorskip("torch")
+    from strata.client import Checkpointer
+
+    pvc_root = tmp_path / "pvc"
+    config = config_for(shm_dir, pvc_root)
+    sidecar_proc(config)
+    g = torch.Generator().manual_seed(3)
+    state = {
+        "w": torch.randn(3 * 1024 * 1024 // 4 + 7, generator=g),
+        "b": torch.randn(33, generator=g),
+        "step": 50,
+    }
+    with Checkpointer(config, rank=0, world_size=1) as ckpt:
+        assert ckpt.save(50, state)
+        ckpt.wait()
+    wait_until(lambda: 50 in PosixTier(pvc_root).complete_steps(JOB), what="step 50 on the PVC")
+    api = connect(config.socket)
+    assert api is not None
+    res = api.stage(JOB, 50, 0, 1, verify_in_place=False)
+    assert res.tier == "ram" and res.deferred_verify
+    assert not api.stage(JOB, 50, 0, 1).deferred_verify  # by default the sidecar verifies
+
+    # A flipped byte in RAM: asked to defer, the sidecar serves the copy unverified ...
+    flip_byte(RamTier(shm_dir).data_path(JOB, 50, 0), 2 * 1024 * 1024)
+    res = api.stage(JOB, 50, 0, 1, verify_in_place=False)
+    assert res.tier == "ram" and res.deferred_verify and not res.quarantined
+    # ... and the trainer's load catches it, quarantines it and restores from the PVC.
+    target = {"w": torch.zeros_like(state["w"]), "b": torch.zeros(33), "step": -1}
+    with Checkpointer(config, rank=0, world_size=1) as ckpt:
+        assert isinstance(getattr(ckpt.stager, "sidecar", None), SidecarClient)
+        result = ckpt.restore(target)
+    assert result.step == 50 and result.tier == "pvc"
+    assert any(n.startswith("ram:") and "quarantined" in n for n in result.skipped)
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+    assert target["step"] == 50
+
+
 def test_c06_no_tier_holds_a_step_is_a_clear_error_never_a_silent_step_0(
     shm_dir: Path, tmp_path: Path, sidecar_proc: Start
 ) -> None:

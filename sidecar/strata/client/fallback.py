@@ -42,7 +42,20 @@ class _Stager(Protocol):
     ) -> StageResult: ...
 
 
-class _Sidecar(_Stager, Protocol):
+class _Sidecar(Protocol):
+    def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory: ...
+
+    def stage(
+        self,
+        job_id: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        sources: Sequence[str] | None = None,
+        *,
+        verify_in_place: bool = True,
+    ) -> StageResult: ...
+
     def ready(self) -> bool: ...
 
     def report(self, event: SaveEvent | RestoreEvent) -> None: ...
@@ -64,8 +77,10 @@ class SidecarFallbackStager:
         self.wait_seconds = wait_seconds
         self.poll_seconds = poll_seconds
         self.defers_in_place_verify = False
-        """Whether the last staging left a RAM hit unverified (the local stager does; the
-        sidecar verifies in place)."""
+        """Whether the last staging left a RAM hit unverified: the sidecar is asked to leave
+        it to the client, which verifies it while loading it (one pass over the shard, not the
+        sidecar's checksum pass then the client's copy); a sidecar that does not know the
+        request verifies it itself, and the local stager never verifies it."""
 
     def _call(
         self, what: str, on_sidecar: Callable[[], T], locally: Callable[[], T]
@@ -120,11 +135,13 @@ class SidecarFallbackStager:
 
         res, note = self._call(
             f"staging of step {step}",
-            lambda: self.sidecar.stage(job_id, step, rank, world_size, sources),
+            lambda: self.sidecar.stage(
+                job_id, step, rank, world_size, sources, verify_in_place=False
+            ),
             locally,
         )
-        self.defers_in_place_verify = used_local and bool(
-            getattr(self.local, "defers_in_place_verify", False)
+        self.defers_in_place_verify = res.deferred_verify or (
+            used_local and bool(getattr(self.local, "defers_in_place_verify", False))
         )
         if note is not None:
             res.skipped.insert(0, note)

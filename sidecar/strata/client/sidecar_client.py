@@ -202,7 +202,13 @@ class SidecarClient:
         rank: int,
         world_size: int,
         sources: Sequence[str] | None = None,
+        *,
+        verify_in_place: bool = True,
     ) -> StageResult:
+        """``POST /v1/stage``. ``verify_in_place=False``: the caller verifies a RAM hit while
+        loading it (the result's ``deferred_verify`` says whether the sidecar left it to it).
+        Raises :class:`StageError` (no tier serves), ``TierFull``/``SlotsBusy``/``TierError``
+        and :class:`ProtocolError` (see the module docstring)."""
         status, data = self.call(
             "POST",
             "/v1/stage",
@@ -212,6 +218,7 @@ class SidecarClient:
                 rank=rank,
                 world_size=world_size,
                 sources=list(sources) if sources is not None else None,
+                verify_in_place=verify_in_place,
             ),
             timeout=self.stage_timeout,
         )

@@ -39,6 +39,9 @@ class StageResult:
     """Why nearer tiers did not serve (missing, quarantined after a mismatch, ...)."""
     quarantined: list[str] = field(default_factory=list)
     """Tiers whose copy failed verification and was quarantined on the way (for metrics)."""
+    deferred_verify: bool = False
+    """True: a RAM hit served in place and NOT verified here (``verify_in_place=False``); whoever
+    loads ``path`` must verify it while loading (:mod:`strata.client.loader`)."""
 
 
 SlotTarget = Path | Callable[[int], Path]
@@ -59,7 +62,8 @@ def stage_shard(
     """Get rank ``rank``'s shard of ``step`` from the nearest tier of ``tiers`` that verifies.
 
     ``verify_in_place``: whether a shard served in place is verified here (None: ``verify``);
-    False when the caller verifies it while loading it (:mod:`strata.client.loader`: one pass).
+    False when the caller verifies it while loading it (:mod:`strata.client.loader`: one pass;
+    the result's ``deferred_verify`` then says so).
 
     - a tier that serves in place (:meth:`Tier.read_in_place`; the RAM tier) is verified where
       it lies (a shard whose writer died before its checksum pass is checksummed now; noted in
@@ -76,16 +80,11 @@ def stage_shard(
     """
     skipped: list[str] = []
     quarantined: list[str] = []
+    in_place = verify if verify_in_place is None else verify_in_place
     for tier in tiers:
         t0 = time.perf_counter()
         try:
-            hit = tier.read_in_place(
-                job_id,
-                step,
-                rank,
-                world_size=world_size,
-                verify=verify if verify_in_place is None else verify_in_place,
-            )
+            hit = tier.read_in_place(job_id, step, rank, world_size=world_size, verify=in_place)
             if hit is not None:
                 m, path = hit.manifest, hit.path
                 skipped.extend(hit.notes)
@@ -112,7 +111,14 @@ def stage_shard(
             skipped.append(f"{tier.name}: {exc}")
             continue
         return StageResult(
-            tier.name, path, m, m.data_nbytes, time.perf_counter() - t0, skipped, quarantined
+            tier.name,
+            path,
+            m,
+            m.data_nbytes,
+            time.perf_counter() - t0,
+            skipped,
+            quarantined,
+            deferred_verify=hit is not None and verify and not in_place,
         )
     searched = ", ".join(f"{t.name}" for t in tiers) or "no tiers"
     raise StageError(

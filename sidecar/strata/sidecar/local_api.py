@@ -187,6 +187,8 @@ class LocalApi:
                 verify=self.config.restore.verify,
                 sources=msg.sources,
                 before_allocate=lambda nbytes: self._check_fits(job, rank, nbytes),
+                # The trainer may verify a RAM hit while loading it (one pass, not two).
+                verify_in_place=None if msg.verify_in_place else False,
             )
         except StageError as exc:
             self._count_quarantines(exc.quarantined)
