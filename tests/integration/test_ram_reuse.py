@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +18,14 @@ import torch
 
 from strata.client import Checkpointer
 from strata.client.reuse import confirm
+from strata.config import StrataConfig
 from strata.format import codec
 from strata.format.crc import chunk_crcs
 from strata.restore.staging import stage_into_ram
 from strata.tiers.posix import PosixTier
 from strata.tiers.slots import LocalSlotProvider
 from tests.fixtures import lora
+from tests.fixtures.sidecar import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -267,3 +272,64 @@ def test_a_frozen_tensor_changed_before_the_confirmation_fails_that_step_only(
         assert c.failed_saves == 1
         assert same(ram_weights(c, 6), lora.weights(state))
         assert not torch.equal(ram_weights(c, 6)["base.0.weight"], saved5["base.0.weight"])
+
+
+def test_with_a_real_sidecar_promoting_and_staging(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Callable[..., Any]
+) -> None:
+    """The real sidecar promotes every step to the PVC (steps committed after a confirmation
+    included) and, for a recreated pod, stages the newest one back into a RAM slot: the saves
+    after that copy in full until each slot holds a step this trainer wrote itself."""
+    pvc_dir = tmp_path / "pvc"
+    config = StrataConfig.parse(
+        {
+            "job_id": JOB,
+            "ram": {"path": str(shm_dir), "every": {"steps": 10}, "keep": 1},
+            "pvc": {"path": str(pvc_dir), "every": {"steps": 10}, "keep": 2},
+            "metrics_port": free_port(),
+            "metrics_host": "127.0.0.1",
+            "writer_id": "pod-a",
+            "restore": {"allow_fresh_start": True},
+        }
+    )
+    pvc = PosixTier(pvc_dir)
+
+    def run(c: Checkpointer, state: dict[str, Any], steps: list[int]) -> list[int]:
+        written = []
+        for step in steps:
+            lora.fill(state, step)
+            written.append(save(c, state, step))
+            deadline = time.monotonic() + 60
+            while step not in pvc.complete_steps(JOB):
+                assert time.monotonic() < deadline, f"step {step} never reached the PVC"
+                time.sleep(0.05)
+        assert c.failed_saves == 0, c.last_error
+        return written
+
+    side = sidecar_proc(config)
+    state = lora.make_state()
+    with Checkpointer(config, rank=0, world_size=1) as c:
+        c.restore(state)
+        written = run(c, state, [10, 20, 30, 40])
+        total = c.ram.get_manifest(JOB, 40, 0).data_nbytes
+    assert written == [total, total, total - lora.BASE_BYTES, total - lora.BASE_BYTES]
+    side.kill()
+    shutil.rmtree(shm_dir / JOB)  # a recreated pod: the RAM tier is empty
+    side = sidecar_proc(config)
+    fresh = lora.make_state()
+    with Checkpointer(config, rank=0, world_size=1) as c:
+        res = c.restore(fresh)
+        assert (res.step, res.tier) == (40, "pvc")
+        assert same(lora.weights(fresh), lora.weights(state))
+        written = run(c, fresh, [50, 60, 70])
+        assert written == [total, total, total - lora.BASE_BYTES]
+        assert same(ram_weights(c, 70), lora.weights(fresh))
+    # every step the PVC kept holds the bytes saved
+    for step in pvc.complete_steps(JOB):
+        m = pvc.get_manifest(JOB, step, 0)
+        assert m.refs is None or m.refs.base_step in pvc.complete_steps(JOB)
+    restored = lora.make_state()
+    shutil.rmtree(shm_dir / JOB)
+    with Checkpointer(config, rank=0, world_size=1) as c:
+        assert c.restore(restored).step == 70
+    assert same(lora.weights(restored), lora.weights(fresh))
