@@ -71,3 +71,27 @@ def test_bench_smoke_writes_ratios_json_and_plot(tmp_path: Path) -> None:
     assert "median s" in proc.stdout  # the printed table
     assert (out / "smoke.png").stat().st_size > 10_000
     assert not report["notes"], report["notes"]
+
+
+def test_bench_archive_weights_only_writes_a_third_of_a_full_finetune(tmp_path: Path) -> None:
+    """``python -m bench.archive`` at 4 MiB: an archive tier keeping ``components: [model]`` of an
+    AdamW full fine-tune uploads the weights only (a third of the step's bytes)."""
+    out = tmp_path / "archive.json"
+    argv = [sys.executable, "-m", "bench.archive", "--model-mib", "4", "--steps", "1"]
+    proc = subprocess.run(
+        [*argv, "--out", str(out)],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["full_gcs_bytes"] == row["ram_bytes"]
+    assert row["weights_gcs_bytes"] == doc["model_bytes"]
+    assert abs(row["weights_over_full"] - 1 / 3) < 0.01
