@@ -290,3 +290,44 @@ def test_a_restarted_sidecar_finds_the_base_in_the_tier(
     for tier in (rig.pvc, rig.gcs):
         m = tier.get_manifest(JOB, 20, 0)
         assert m.refs is not None and m.refs.base_step == 10
+
+
+def test_a_corrupt_gcs_base_is_detected_before_download_and_the_restore_falls_back(
+    shm_dir: Path, tmp_path: Path, gcs_emulator: GcsEmulator, gcs_bucket: str
+) -> None:
+    """GCS reassembles an incremental copy by downloading its base straight into the slot (no
+    temporary copy of the base); a base whose stored object no longer matches its manifest is
+    quarantined and the restore falls back to the PVC's copy of the same step."""
+    from strata.errors import ShardCorrupt
+    from strata.format import layout
+    from strata.tiers.references import verify_following_refs
+
+    rig = Rig(shm_dir, tmp_path, gcs_emulator, gcs_bucket)
+    t = LoraTrainer()
+    with Checkpointer(rig.cfg, rank=0, world_size=1) as c:
+        w = run_steps(rig, c, t, [10, 20])
+    assert rig.gcs.get_manifest(JOB, 20, 0).refs is not None
+    verify_following_refs(rig.gcs, JOB, 20, 0)  # intact: the remote path reassembles it
+    blob = (
+        gcs_emulator.client()
+        .bucket(gcs_bucket)
+        .blob(rig.gcs.object_name(layout.data_key(JOB, 10, 0)))
+    )
+    raw = bytearray(blob.download_as_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    blob.upload_from_string(bytes(raw))
+    with pytest.raises(ShardCorrupt, match="base step 10"):
+        verify_following_refs(rig.gcs, JOB, 20, 0)
+    assert 10 in rig.gcs.complete_steps(JOB)  # a read-only check quarantines nothing
+
+    cfg = config(shm_dir / "ram-g", rig.pvc_dir, rig.gcs_cfg)
+    cfg = cfg.model_copy(
+        update={"restore": cfg.restore.model_copy(update={"order": ("gcs", "pvc")})}
+    )
+    fresh = LoraTrainer()
+    with Checkpointer(cfg, rank=0, world_size=1) as c2:
+        res = c2.restore(fresh.state)
+    assert res.step == 20 and res.tiers == {0: "pvc"}, res
+    assert same(fresh.weights(), w[20])
+    assert any(n.startswith("gcs:") and "base step 10" in n for n in res.skipped), res.skipped
+    assert 10 not in rig.gcs.complete_steps(JOB)  # the corrupt base was quarantined

@@ -100,11 +100,15 @@ def fetch_full(
     """Reassemble the committed incremental copy ``stored`` of ``tier`` into ``dst`` (created
     if missing, never truncated: it may be a RAM slot) and return the full manifest.
 
-    Every chunk is checked against the logical CRC32C while it is copied. Raises
-    :class:`ShardUnavailable` when the base is not committed in ``tier`` (the step cannot be
-    served from here); :class:`ShardCorrupt` when a chunk does not match: the base's copy is
-    quarantined first when the bad chunk came from it (the caller quarantines the step and
-    falls back to another tier); ``quarantine=False`` (a read-only check) leaves the base as is.
+    Every chunk is checked against the logical CRC32C on its way into ``dst``. A tier with local
+    files (PVC) is read in place, chunk by chunk; from a remote tier (GCS) the base is downloaded
+    straight into ``dst`` (each chunk verified as it arrives, no temporary copy of the base, so
+    no disk space the size of the state is needed beside ``dst``) and then the step's own chunks
+    (a small temporary file) are written over it. Raises :class:`ShardUnavailable` when the base
+    is not committed in ``tier`` (the step cannot be served from here); :class:`ShardCorrupt`
+    when a chunk does not match: the base's copy is quarantined first when the bad chunk came
+    from it (the caller quarantines the step and falls back to another tier);
+    ``quarantine=False`` (a read-only check) leaves the base as is.
     """
     refs = stored.refs
     if refs is None:
@@ -116,27 +120,47 @@ def fetch_full(
             f"{tier.name}: step {step} rank {rank} references step {refs.base_step}, which is "
             "not a full shard of the same length; restore from another tier"
         )
-    logical = refs.logical_crc32c
     expected = refs.logical_chunk_crc32c
+    own_at = {k: j * stored.chunk_size for j, k in enumerate(own_chunks(stored))}
+
+    def bad_base(reason: str) -> ShardCorrupt:
+        if quarantine:
+            tier.quarantine(job_id, refs.base_step, rank, reason)
+        return ShardCorrupt(
+            f"{tier.name}: base step {refs.base_step} of step {step} rank {rank}: {reason}; "
+            "restore from another tier"
+        )
+
+    def bad_own(k: int) -> ShardCorrupt:
+        return ShardCorrupt(
+            f"{tier.name}: step {step} rank {rank}: chunk {k} does not match its CRC32C; "
+            "quarantine it and restore from another tier"
+        )
+
+    base_path = tier.data_path(job_id, refs.base_step, rank)
     with tempfile.TemporaryDirectory(prefix="strata-refs-") as tmpdir:
         tmp = Path(tmpdir)
-        try:
-            base_path = _local_data(tier, job_id, refs.base_step, rank, tmp)
-        except ShardCorrupt as exc:
-            if quarantine:
-                tier.quarantine(job_id, refs.base_step, rank, str(exc))
-            raise ShardCorrupt(
-                f"{tier.name}: base step {refs.base_step} of step {step} rank {rank} is "
-                f"corrupt ({exc}); restore from another tier"
-            ) from None
+        if base_path is None:
+            # Remote: the referenced chunks are the base's own chunks (a chunk is referenced only
+            # when its CRC32C equals the base's), verified against the base's manifest while
+            # they arrive; say which one differs before anything is downloaded.
+            base_crcs = base_m.chunk_crc32c or []
+            for k in range(crc.n_chunks(refs.logical_nbytes, stored.chunk_size)):
+                if k not in own_at and (k >= len(base_crcs) or base_crcs[k] != expected[k]):
+                    raise bad_base(f"chunk {k} referenced by step {step} is not the base's")
+            try:
+                tier.fetch_shard(job_id, refs.base_step, rank, dst, verify=True)
+            except ShardCorrupt as exc:
+                raise bad_base(f"its copy is corrupt ({exc})") from None
+        crcs = list(expected) if base_path is None else []
         own_path = _local_data(tier, job_id, step, rank, tmp)
-        own_at = {k: j * stored.chunk_size for j, k in enumerate(own_chunks(stored))}
-        bfd = os.open(base_path, os.O_RDONLY)
         ofd = os.open(own_path, os.O_RDONLY)
+        bfd = os.open(base_path, os.O_RDONLY) if base_path is not None else -1
         dfd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
-            crcs = []
             for k in range(crc.n_chunks(refs.logical_nbytes, stored.chunk_size)):
+                if base_path is None and k not in own_at:
+                    continue  # downloaded and verified above
                 n = chunk_len(refs.logical_nbytes, stored.chunk_size, k)
                 if k in own_at:
                     piece = _pread_exact(ofd, n, own_at[k], str(own_path))
@@ -145,28 +169,26 @@ def fetch_full(
                 c = crc.crc32c(piece)
                 if c != expected[k]:
                     if k not in own_at:
-                        reason = f"chunk {k} referenced by step {step} does not match its CRC32C"
-                        if quarantine:
-                            tier.quarantine(job_id, refs.base_step, rank, reason)
-                        raise ShardCorrupt(
-                            f"{tier.name}: base step {refs.base_step} of step {step} rank "
-                            f"{rank}: {reason}; restore from another tier"
+                        raise bad_base(
+                            f"chunk {k} referenced by step {step} does not match its CRC32C"
                         )
-                    raise ShardCorrupt(
-                        f"{tier.name}: step {step} rank {rank}: chunk {k} does not match its "
-                        "CRC32C; quarantine it and restore from another tier"
-                    )
-                crcs.append(c)
+                    raise bad_own(k)
+                if base_path is not None:
+                    crcs.append(c)
                 os.pwrite(dfd, piece, k * stored.chunk_size)
         except OSError as exc:
             raise TierError(
                 f"reassembling step {step} rank {rank} into {dst} failed: {exc}"
             ) from exc
         finally:
-            os.close(bfd)
             os.close(ofd)
+            if bfd >= 0:
+                os.close(bfd)
             os.close(dfd)
-    if crcs and crc.combine_chunks(crcs, refs.logical_nbytes, stored.chunk_size) != logical:
+    if (
+        crcs
+        and crc.combine_chunks(crcs, refs.logical_nbytes, stored.chunk_size) != refs.logical_crc32c
+    ):
         raise ShardCorrupt(f"{tier.name}: step {step} rank {rank}: whole CRC32C mismatch")
     return full
 
