@@ -214,6 +214,8 @@ class CopyHandle:
 
 def holds_cuda(enc: codec.EncodedState) -> bool:
     """Whether any storage of the encoded state lives on a CUDA device."""
+    if enc.layout is not None:
+        return enc.layout.cuda
     return any(src.device.type == "cuda" for src in enc.sources)
 
 

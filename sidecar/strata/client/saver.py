@@ -206,26 +206,35 @@ class Saver:
                 if slow:
                     self._component_steps[step] = slow
             deferred = not blocking
+            checksum = None
             if blocking:
-                nbytes, deferred = self._save(step, state, replicated, t0)
+                nbytes, deferred, checksum = self._save(step, state, replicated, t0)
             else:
                 self._enqueue(step, state, t0, replicated)
                 nbytes = 0
         except Exception as exc:
+            if collect:
+                gc.enable()
             self._failed(step, exc)
             if self.raise_on_error:
                 raise
             return False
+        try:
+            stall = time.perf_counter() - t0
+            if checksum is not None:
+                # Started only now: the background pass holds the GIL for a while (per-tensor
+                # Python), which would otherwise slow the end of this save down (bench W3).
+                # Before the report, which must never overtake its step's checksum.
+                self._start_checksum(checksum)
+            if not deferred:
+                self._succeeded(step, stall)
+            else:
+                self.last_stall_seconds = stall
+            if blocking:
+                self._after_save(nbytes)
         finally:
             if collect:
                 gc.enable()
-        stall = time.perf_counter() - t0
-        if not deferred:
-            self._succeeded(step, stall)
-        else:
-            self.last_stall_seconds = stall
-        if blocking:
-            self._after_save(nbytes)
         return True
 
     def _failed(self, step: int, exc: BaseException) -> None:
@@ -271,17 +280,19 @@ class Saver:
 
     def _save(
         self, step: int, state: Any, replicated: bool | Collection[str] | None, t0: float
-    ) -> tuple[int, bool]:
+    ) -> tuple[int, bool, _Checksum | None]:
         """Copy and commit (or, with storages left in place, copy and hand the commit to the
-        background confirmation: then True); returns (data bytes, deferred)."""
+        background confirmation: then True); returns (data bytes, deferred, the checksum pass
+        to start: :meth:`_start_checksum`)."""
         enc = self._encode(state, replicated)
         stream = self._stream(enc)
         valid = self.reuse.validate()
         lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
         deferred = False
+        checksum = None
         try:
             rec = self.reuse.take(lock.identity, valid)  # before anything writes into the slot
-            versions = [_version(t) for t in enc.live]
+            versions = _versions(enc.live)
             # CUDA states are always copied in full: confirming needs their bytes on the host
             skip = self.reuse.plan(rec, enc, versions) if stream is None else frozenset()
             mm = self._mapping(lock)
@@ -300,11 +311,11 @@ class Saver:
                     self._pending = [f for f in self._pending if not f.done()] + [fut]  # type: ignore[list-item]
                 deferred = True
             else:
-                self._commit(step, enc, lock, versions)
+                checksum = self._commit(step, enc, lock, versions)
         finally:
             if not deferred:
                 lock.release()
-        return enc.data_nbytes, deferred
+        return enc.data_nbytes, deferred, checksum
 
     def _mapping(self, lock: SlotWriteLock) -> Any:
         """The mapping of exactly the inode ``lock`` holds (issue 11: the trainer never writes
@@ -321,19 +332,28 @@ class Saver:
 
     def _commit(
         self, step: int, enc: codec.EncodedState, lock: SlotWriteLock, versions: list[int]
-    ) -> None:
+    ) -> _Checksum:
         """Commit the copied slot ``lock`` holds (checked to be the inode written, issue 11);
         ``versions``: the version counters of ``enc.live`` as of the bytes copied (the
-        "unchanged since" hint, :mod:`strata.client.unchanged`)."""
+        "unchanged since" hint, :mod:`strata.client.unchanged`). Returns the checksum pass for
+        the caller to start (:meth:`_start_checksum`)."""
         faults.point("save.copied")
         manifest = self._manifest(step, enc)
         self.ram.commit_slot(
             self.job_id, step, self.rank, lock.path, manifest, expect=lock.identity
         )
         snap = Snapshot(list(enc.live), versions, list(enc.sources))
-        fut = self._bg.submit(
-            self._checksum, step, manifest.created.isoformat(), snap, lock.identity, enc.storages
-        )
+        return (step, manifest.created.isoformat(), snap, lock.identity, enc.storages)
+
+    def _start_checksum(self, checksum: _Checksum) -> None:
+        """Submit a committed step's background checksum pass (see :meth:`wait`); never raises
+        (the step then stays committed without checksums, as when its writer dies)."""
+        try:
+            fut = self._bg.submit(self._checksum, *checksum)
+        except RuntimeError as exc:  # the background executor was shut down
+            self.last_error = f"checksum of step {checksum[0]} not started: {exc}"
+            log.error("strata: checksum pass of step %d not started: %s", checksum[0], exc)
+            return
         with self._pending_lock:
             self._pending = [f for f in self._pending if not f.done()] + [fut]
 
@@ -416,7 +436,7 @@ class Saver:
         self, step: int, state: Any, t0: float, replicated: bool | Collection[str] | None
     ) -> None:
         enc = self._encode(state, replicated)
-        versions = [_version(t) for t in enc.live]
+        versions = _versions(enc.live)
         stream = self._stream(enc)
         lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
         try:
@@ -460,9 +480,10 @@ class Saver:
                         "committed; call wait_copied() (or let optimizer.step() do it) before "
                         "changing the state"
                     )
-                self._commit(step, enc, lock, versions)
+                checksum = self._commit(step, enc, lock, versions)
             finally:
                 lock.release()
+            self._start_checksum(checksum)
         except Exception as exc:
             self._failed(step, exc)
             if self.raise_on_error:
@@ -632,11 +653,24 @@ class Saver:
             self.host.close()
 
 
+_Checksum = tuple[int, str, Snapshot, Identity, list[StorageEntry]]
+"""The arguments of :meth:`Saver._checksum`: a committed step's checksum pass to start."""
+
+
 def _version(t: torch.Tensor) -> int:
     try:
         return int(t._version)
     except RuntimeError:  # inference-mode tensors have no version counter
         return -1
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int]:
+    """``_version`` of each tensor (-1 where it has none): one comprehension, the per-tensor
+    function call only when some tensor has no counter (bench W3: 10,000 tensors)."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # an inference-mode tensor
+        return [_version(t) for t in tensors]
 
 
 def _describe(enc: codec.EncodedState, indices: list[int]) -> str:

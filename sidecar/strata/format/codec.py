@@ -48,21 +48,22 @@ this rank's chunk plus its global placement (:mod:`strata.format.placement`); sp
 meta and other tensor-subclass tensors are refused with a TypeError saying what to convert them to; conjugate/negative-bit views are resolved first (they
 no longer share storage after a restore).
 
-Size (about 700 lines): encoding and decoding are kept in one module on purpose: every tag above
+Size (about 900 lines): encoding and decoding are kept in one module on purpose: every tag above
 is written in one place and read in another, and keeping the pair side by side is what keeps
-them symmetric; splitting would separate each writer from its reader.
+them symmetric; splitting would separate each writer from its reader. What is not a tag lives
+elsewhere: the copy of the storages (:mod:`strata.format.datacopy`) and the reuse of the
+previous save's layout (:mod:`strata.format.encode_cache`: with a cache, an encode whose tensors
+are the previous save's, in the same order and layout, reuses its entries, offsets, manifest
+JSON and copy plan; issue 14, many small tensors).
 """
 
 from __future__ import annotations
 
 import base64
 import collections
-import ctypes
 import math
-import mmap
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +71,9 @@ import torch
 
 from strata.errors import CodecError
 from strata.format import placement
-from strata.format.encode_cache import EncodeCache, _Cached
+from strata.format.datacopy import Buffer, write_data
+from strata.format.datacopy import as_uint8 as _as_uint8
+from strata.format.encode_cache import TENSOR_TAG, EncodeCache, Layout, Replayer, _Cached, _Miss
 from strata.format.manifest import (
     ALIGN,
     DEFAULT_CHUNK_SIZE,
@@ -80,14 +83,18 @@ from strata.format.manifest import (
     TensorEntry,
 )
 
-TENSOR_TAG = "__tensor__"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_COPY_PIECE = 8 * 1024 * 1024
-_MIN_TASK_BYTES = 1024 * 1024
-"""Below this, a copy is not worth a thread hand-off."""
-"""Bytes per copy task: big storages are split so several threads share one copy."""
 
-Buffer = bytearray | memoryview | mmap.mmap
+__all__ = [
+    "TENSOR_TAG",
+    "Buffer",
+    "EncodedState",
+    "dumps",
+    "encode",
+    "load",
+    "load_into",
+    "write_data",
+]
 TensorSink = Callable[[TensorEntry, StorageEntry, torch.Tensor], bool]
 """See :func:`load_into`."""
 
@@ -136,6 +143,10 @@ class EncodedState:
     """The tensors encoded (their ``_version`` counters tell whether one changed since)."""
     sharded: list[ShardedEntry] = field(default_factory=list)
     """Sharded tensors (:mod:`strata.format.placement`)."""
+    layout: Layout | None = None
+    """The reusable layout of this encode (:class:`strata.format.encode_cache.Layout`; None
+    without a cache or for states it does not cover): ``tensors``, ``storages``, ``sources``
+    and ``live`` are its lists; what depends on the layout alone is cached on it."""
 
     def manifest(
         self,
@@ -149,8 +160,10 @@ class EncodedState:
         chunk_crc32c: list[int] | None = None,
         crc32c: int | None = None,
     ) -> Manifest:
-        """The shard manifest of this state (checksums None until computed over the data)."""
-        return Manifest(
+        """The shard manifest of this state (checksums None until computed over the data);
+        with a :attr:`layout`, its ``tensors``/``storages`` JSON is the layout's, serialised
+        once (:meth:`strata.format.manifest.Manifest.with_layout_json`)."""
+        m = Manifest(
             job_id=job_id,
             step=step,
             rank=rank,
@@ -165,10 +178,11 @@ class EncodedState:
             crc32c=crc32c,
             sharded=self.sharded,
         )
+        return m.with_layout_json(self.layout.json) if self.layout is not None else m
 
 
 @dataclass
-class _Encoder:
+class _Encoder(Replayer):
     tensors: list[TensorEntry] = field(default_factory=list)
     storages: list[StorageEntry] = field(default_factory=list)
     sources: list[torch.Tensor] = field(default_factory=list)
@@ -186,11 +200,19 @@ class _Encoder:
     owners: placement.OwnerChooser = field(default_factory=placement.OwnerChooser)
     sharded_alive: list[Any] = field(default_factory=list)
     """DTensors encoded (their ids stay unique while encoding)."""
+    occ_tensors: list[torch.Tensor] = field(default_factory=list)
+    occ_nodes: list[dict[str, Any]] = field(default_factory=list)
+    """Per tensor occurrence in walk order: the tensor and its tree node (for :class:`Layout`)."""
+    reusable: bool = True
+    """Whether this encode's layout may be replayed (no sharded or conjugate-view tensors)."""
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
+        if self.replay is not None:
+            raise _Miss  # a tensor subclass (DTensor, ...): not replayed
         if placement.is_dtensor(t) or (
             self.world_size > 1 and self.replicated is not None and self.replicated(path)
         ):
+            self.reusable = False
             return self._sharded(t, path)
         idx = self.by_tensor.get(id(t))
         if idx is None:
@@ -206,6 +228,8 @@ class _Encoder:
         # and _add_tensor admits no other subclass.
         if type(t) is torch.nn.Parameter:
             node["param"] = True
+        self.occ_tensors.append(t)
+        self.occ_nodes.append(node)
         return node
 
     def _sharded(self, t: torch.Tensor, path: str) -> dict[str, Any]:
@@ -267,6 +291,7 @@ class _Encoder:
         if resolved:
             t = t.resolve_conj().resolve_neg()
             self.keep_alive.append(t)
+            self.reusable = False
         st = t.untyped_storage()
         key = st._cdata
         sidx = self.by_storage.get(key)
@@ -342,6 +367,8 @@ class _Encoder:
         return len(self.tensors) - 1
 
     def node(self, obj: Any, path: str) -> Any:
+        if self.replay is not None and type(obj) in _PLAIN_TENSORS:
+            return self.replayed(obj)
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, torch.Tensor):
@@ -388,6 +415,8 @@ class _Encoder:
         )
 
     def _container(self, obj: Any, path: str) -> Any:
+        if self.replay is not None and type(obj) is list:
+            return self._replayed_values(obj)
         if isinstance(obj, list):
             return [self.node(v, f"{path}[{i}]") for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
@@ -402,10 +431,16 @@ class _Encoder:
             and all(isinstance(k, str) and not k.startswith("__") for k in obj)
         )
         if plain:
+            if self.replay is not None:
+                return dict(zip(obj, self._replayed_values(obj.values()), strict=True))
             return {k: self.node(v, f"{path}{_key_str(k)}") for k, v in obj.items()}
+        replay = self.replay is not None
         out: dict[str, Any] = {
             "__dict__": [
-                [self.node(k, f"{path}<key {k!r}>"), self.node(v, f"{path}{_key_str(k)}")]
+                [
+                    self.node(k, "" if replay else f"{path}<key {k!r}>"),
+                    self.node(v, "" if replay else f"{path}{_key_str(k)}"),
+                ]
                 for k, v in obj.items()
             ]
         }
@@ -464,19 +499,37 @@ def encode(
     The returned sources alias the live tensors: copy them (:func:`write_data`) before the
     training loop mutates them. ``cache``: see :class:`EncodeCache`.
     """
-    enc = _Encoder(
-        cache=cache,
-        rank=rank,
-        world_size=world_size,
-        replicated=placement.replicated_rule(replicated, root),
-    )
+    rule = placement.replicated_rule(replicated, root)
+    params = (root, rank, world_size)
+    if cache is not None and (rule is None or world_size == 1):
+        lay = cache.layout
+        if lay is not None and lay.params == params:
+            replayed = _replay(state, root, lay, cache)
+            if replayed is not None:
+                return replayed
+    enc = _Encoder(cache=cache, rank=rank, world_size=world_size, replicated=rule)
     if cache is not None:
         cache.new = {}
+        cache.layout = None
     try:
         tree = enc.node(state, root)
     finally:
         if cache is not None:
             cache.old, cache.new = cache.new, {}
+    layout = None
+    if cache is not None and enc.reusable and (rule is None or world_size == 1):
+        layout = Layout.build(
+            params,
+            enc.tensors,
+            enc.storages,
+            enc.sources,
+            enc.keep_alive,
+            enc.nbytes,
+            enc.occ_tensors,
+            enc.occ_nodes,
+            set(enc.by_storage),
+        )
+        cache.layout = layout
     return EncodedState(
         tree=tree,
         tensors=enc.tensors,
@@ -485,129 +538,41 @@ def encode(
         data_nbytes=enc.nbytes,
         live=enc.keep_alive,
         sharded=enc.sharded,
+        layout=layout,
     )
 
 
-def _as_uint8(buf: Buffer | torch.Tensor) -> torch.Tensor:
-    if isinstance(buf, torch.Tensor):
-        if buf.dtype != torch.uint8 or buf.dim() != 1:
-            raise ValueError("a data buffer tensor must be 1-D uint8")
-        return buf
-    if len(memoryview(buf)) == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(buf, dtype=torch.uint8)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def write_data(
-    enc: EncodedState,
-    dst: Buffer | torch.Tensor,
-    pool: Executor | None = None,
-    skip: frozenset[int] = frozenset(),
-) -> None:
-    """Copy every storage into ``dst`` (writable, >= ``enc.data_nbytes`` bytes) at its offset.
-
-    Alignment padding is zeroed so the data object's bytes (and CRC) depend only on the state.
-    With ``pool`` the copy is split into pieces of at most 8 MiB run on its threads (torch's
-    ``copy_`` releases the GIL). ``skip``: indices of storages whose bytes ``dst`` already holds
-    at their offsets (not copied; :mod:`strata.client.reuse`). Returns when every byte is copied.
-    """
-    out = _as_uint8(dst)
-    if out.numel() < enc.data_nbytes:
-        raise ValueError(
-            f"destination holds {out.numel()} bytes, the state needs {enc.data_nbytes}"
-        )
-    if out.device.type == "cpu" and all(src.device.type == "cpu" for src in enc.sources):
-        _write_cpu(enc, out.data_ptr(), pool, skip)
-        return
-    pieces: list[tuple[int, int, torch.Tensor]] = []  # (offset, nbytes, source)
-    end = 0
-    for i, (entry, src) in enumerate(zip(enc.storages, enc.sources, strict=True)):
-        if entry.offset > end:
-            out[end : entry.offset].zero_()
-        for start in range(0, 0 if i in skip else entry.nbytes, _COPY_PIECE):
-            stop = min(start + _COPY_PIECE, entry.nbytes)
-            pieces.append((entry.offset + start, stop - start, src[start:stop]))
-        end = entry.offset + entry.nbytes
-    if pool is None or len(pieces) <= 1:
-        _copy_pieces(out, pieces)
-        return
-    # One task per ~equal share of the bytes, not one per tensor: a task costs ~10 us of
-    # scheduling, more than copying a small tensor (many-small-tensor states, W3 of bench/).
-    workers = max(1, getattr(pool, "_max_workers", 4))
-    share = max(_MIN_TASK_BYTES, -(-end // workers))
-    groups: list[list[tuple[int, int, torch.Tensor]]] = [[]]
-    acc = 0
-    for piece in pieces:
-        if acc >= share:
-            groups.append([])
-            acc = 0
-        groups[-1].append(piece)
-        acc += piece[1]
-    if len(groups) == 1:
-        _copy_pieces(out, groups[0])
-        return
-    futures = [pool.submit(_copy_pieces, out, group) for group in groups[1:]]
-    _copy_pieces(out, groups[0])  # the calling thread works too
-    for fut in futures:
-        fut.result()
-
-
-def _memcpy_pieces(pieces: Sequence[tuple[int, int, int]]) -> None:
-    move, fill = ctypes.memmove, ctypes.memset
-    for dst, src, n in pieces:
-        if src:
-            move(dst, src, n)
-        else:
-            fill(dst, 0, n)
-
-
-def _write_cpu(
-    enc: EncodedState, base: int, pool: Executor | None, skip: frozenset[int] = frozenset()
-) -> None:
-    """CPU path of :func:`write_data`: libc memcpy over ~equal byte ranges, one per worker.
-
-    Why: every ``Tensor.copy_`` (and the two slices it needs) costs 20-40 us of dispatch, which
-    for 10,000 small tensors is ~30x the memcpy itself (bench W3), and inside the pool's threads
-    torch's own intra-op threads oversubscribe the cores. ``ctypes.memmove``/``memset`` release
-    the GIL and start no threads. ``enc.sources`` keep the storages alive meanwhile.
-    """
-    pieces: list[tuple[int, int, int]] = []  # (dst address, src address or 0: zero fill, n)
-    end = 0
-    for i, (entry, source) in enumerate(zip(enc.storages, enc.sources, strict=True)):
-        if entry.offset > end:
-            pieces.append((base + end, 0, entry.offset - end))
-        if entry.nbytes and i not in skip:
-            pieces.append((base + entry.offset, source.data_ptr(), entry.nbytes))
-        end = entry.offset + entry.nbytes
-    workers = max(1, getattr(pool, "_max_workers", 4)) if pool is not None else 1
-    total = sum(n for _dst, _src, n in pieces) if skip else end
-    share = max(_MIN_TASK_BYTES, -(-total // workers))
-    groups: list[list[tuple[int, int, int]]] = [[]]
-    room = share
-    for dst, src, n in pieces:
-        while n > 0:  # split inside a storage too: one big tensor still uses every worker
-            take = min(n, room)
-            groups[-1].append((dst, src, take))
-            dst, n, room = dst + take, n - take, room - take
-            if src:
-                src += take
-            if room == 0:
-                groups.append([])
-                room = share
-    groups = [g for g in groups if g]
-    if pool is None or len(groups) <= 1:
-        for group in groups:
-            _memcpy_pieces(group)
-        return
-    futures = [pool.submit(_memcpy_pieces, group) for group in groups[1:]]
-    _memcpy_pieces(groups[0])  # the calling thread works too
-    for fut in futures:
-        fut.result()
-
-
-def _copy_pieces(out: torch.Tensor, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
-    for offset, nbytes, src in pieces:
-        out[offset : offset + nbytes].copy_(src)
+def _replay(state: Any, root: str, lay: Layout, cache: EncodeCache) -> EncodedState | None:
+    """Encode ``state`` against the previous save's layout ``lay``; None when it does not have
+    that layout (or anything in it fails to encode: the full encode then says what and where).
+    On success the cache's layout is updated (new tensor objects in place of old ones)."""
+    enc = _Encoder()
+    enc.replay = lay
+    try:
+        tree = enc.node(state, root)
+        if enc.cursor != len(lay.occ_tensors):
+            raise _Miss
+    except Exception:  # _Miss, or an error the full encode will raise with its path
+        return None
+    if enc.fresh:
+        for j, *_ in enc.fresh:
+            # Forget the replaced tensors (their memory) and their per-tensor entries.
+            cache.old.pop(id(lay.occ_tensors[j]), None)
+        lay = lay.replaced(enc.fresh)
+        cache.layout = lay
+    cache.layout_hits += 1
+    return EncodedState(
+        tree=tree,
+        tensors=lay.tensors,
+        storages=lay.storages,
+        sources=lay.sources,
+        data_nbytes=lay.data_nbytes,
+        live=lay.live,
+        layout=lay,
+    )
 
 
 def dumps(state: Any) -> tuple[EncodedState, bytearray]:

@@ -17,10 +17,11 @@ value GCS reports as ``crc32c``).
 from __future__ import annotations
 
 import json
+import threading
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
 
 from strata.errors import FormatError, ManifestError
 from strata.format.sealed import seal, unseal
@@ -55,6 +56,35 @@ class TensorEntry(BaseModel):
     stride: list[int]
     storage_offset: Annotated[int, Field(ge=0)] = 0
     requires_grad: bool = False
+
+
+class LayoutJson:
+    """The JSON of a manifest's ``tensors`` and ``storages`` lists, serialised once and spliced
+    into every manifest of the same layout (:meth:`Manifest.to_json`): they depend only on the
+    layout, and are most of the manifest of a state of many small tensors (bench W3: 9 of the
+    11 ms of serialising a 10,000-tensor manifest). Thread-safe; the lists must not change."""
+
+    def __init__(self, tensors: list[TensorEntry], storages: list[StorageEntry]) -> None:
+        self.tensors = tensors
+        self.storages = storages
+        self._json: bytes | None = None
+        self._lock = threading.Lock()
+        self.serialised = 0
+        """How many times the lists were serialised (tests: once per layout)."""
+
+    def json(self) -> bytes:
+        """``,"tensors":[...],"storages":[...],`` exactly as ``model_dump_json`` writes them."""
+        with self._lock:
+            if self._json is None:
+                self._json = (
+                    b',"tensors":'
+                    + _TENSORS.dump_json(self.tensors)
+                    + b',"storages":'
+                    + _STORAGES.dump_json(self.storages)
+                    + b","
+                )
+                self.serialised += 1
+            return self._json
 
 
 class ChunkRefs(BaseModel):
@@ -148,6 +178,16 @@ class Manifest(BaseModel):
     """Sharded tensors (DTensors, declared-replicated tensors): tree nodes ``{"__sharded__": i}``
     (:mod:`strata.format.placement`); empty for a state without them."""
 
+    _layout: tuple[LayoutJson, list[TensorEntry], list[StorageEntry]] | None = PrivateAttr(None)
+
+    def with_layout_json(self, layout: LayoutJson) -> Manifest:
+        """This manifest (itself), stating that its ``tensors``/``storages`` are those of
+        ``layout`` (element for element), so :meth:`to_json` splices ``layout``'s cached JSON
+        instead of serialising them. A copy with other ``tensors`` or ``storages`` lists
+        (``model_copy(update=...)``) serialises them itself."""
+        self._layout = (layout, self.tensors, self.storages)
+        return self
+
     def check_identity(self, job_id: str, step: int, rank: int, world_size: int | None) -> None:
         """Raise :class:`ManifestError` when this manifest is not the shard that was asked for."""
         if self.format_version != FORMAT_VERSION:
@@ -175,7 +215,21 @@ class Manifest(BaseModel):
     def to_json(self) -> bytes:
         """The stored form: the JSON sealed with its CRC32C (:func:`strata.format.sealed.seal`),
         so every tier verifies it on the raw bytes before any field is read (issue 11)."""
-        return seal(self.model_dump_json().encode())
+        return seal(self._body())
+
+    def _body(self) -> bytes:
+        # The serializer's bytes are model_dump_json()'s, without a decode and an encode.
+        to_json = self.__pydantic_serializer__.to_json
+        cached = self._layout
+        if cached is None or cached[1] is not self.tensors or cached[2] is not self.storages:
+            return to_json(self)
+        head = to_json(self.model_copy(update={"tensors": [], "storages": []}))
+        # The last occurrence is the manifest's own fields: the tree comes before them, and no
+        # field after them can hold this text (JSON strings escape '"').
+        at = head.rfind(_EMPTY_LAYOUT)
+        if at < 0:  # pragma: no cover - pydantic changed its field order or spacing
+            return to_json(self)
+        return b"".join((head[:at], cached[0].json(), head[at + len(_EMPTY_LAYOUT) :]))
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> Manifest:
@@ -217,6 +271,11 @@ class Manifest(BaseModel):
             raise ManifestError(f"malformed manifest {where}: {exc}") from None
         except ValueError as exc:
             raise ManifestError(f"malformed manifest {where}: {exc}") from None
+
+
+_TENSORS = TypeAdapter(list[TensorEntry])
+_STORAGES = TypeAdapter(list[StorageEntry])
+_EMPTY_LAYOUT = b',"tensors":[],"storages":[],'
 
 
 def _first_line(exc: BaseException) -> str:
