@@ -125,6 +125,10 @@ class GcsTierConfig(_Frozen):
     chunk_size_bytes: Annotated[int, Field(ge=256 * 1024)] = 32 * 1024 * 1024
     """Parts of a parallel chunked (XML multipart) upload/download; 256 KiB multiple."""
     max_workers: Annotated[int, Field(ge=1, le=64)] = 8
+    parallel_threshold_bytes: Annotated[int, Field(ge=0)] = 150 * 1024 * 1024
+    """Shards larger than this (and than ``chunk_size_bytes``) are uploaded as parallel parts
+    composed into one object; smaller ones in one streamed request (composing costs the service
+    a copy of the object). 150 MiB is ``gcloud storage``'s default threshold for the same."""
 
 
 class RestoreConfig(_Frozen):

@@ -361,7 +361,9 @@ class _FaultProxy:
     ``drop_first``: the first request whose path contains it is forwarded (the server applies
     it) but its response is dropped (connection closed), like a network failure after an
     upload landed. ``corrupt``: every response to a request whose path contains it has one
-    byte flipped in the middle of its body, like corruption in transit. Records every
+    byte flipped in the middle of its body, like corruption in transit; ``corrupt_request``:
+    the same to the body of every request whose path contains it. ``via_proxy``: rewrite
+    ``Location`` answers (resumable upload sessions) to point at the proxy. Records every
     (method, path, status) it forwarded in ``seen``.
     """
 
@@ -371,11 +373,15 @@ class _FaultProxy:
         drop_first: str | None = None,
         corrupt: str | None = None,
         forbid: str | None = None,
+        corrupt_request: str | None = None,
+        via_proxy: bool = False,
     ):
         self.upstream = upstream.removeprefix("http://")
         self.drop_first = drop_first
         self.corrupt = corrupt
         self.forbid = forbid
+        self.corrupt_request = corrupt_request
+        self.via_proxy = via_proxy
         self.dropped = 0
         self.corrupted = 0
         self.seen: list[tuple[str, str, int]] = []
@@ -406,6 +412,16 @@ class _FaultProxy:
                 headers = {
                     k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")
                 }
+                if (
+                    proxy.corrupt_request is not None
+                    and proxy.corrupt_request in self.path
+                    and body
+                ):
+                    flipped = bytearray(body)
+                    flipped[len(flipped) // 2] ^= 0x01
+                    body = bytes(flipped)
+                    with proxy._lock:
+                        proxy.corrupted += 1
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)
@@ -438,6 +454,8 @@ class _FaultProxy:
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        if proxy.via_proxy and k.lower() == "location":
+                            v = v.replace(proxy.upstream, proxy.endpoint.removeprefix("http://"))
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
@@ -638,3 +656,84 @@ def test_permission_denied_names_the_bucket_and_what_to_grant(
             pytest.raises(GcsPermissionDenied, match=rf"gs://{gcs_bucket}/ckpt/ns\.job/steps/"),
         ):
             tier.put_shard(JOB, 1, 0, path, manifest)
+
+
+# -- streamed uploads (issue 14: promotion at the copy floor) ----------------------------------
+
+STREAMED = 9 * 1024 * 1024 + 12_345
+"""Over the client's 8 MiB single-request limit: streamed from the file."""
+
+
+def _streaming_tier(
+    gcs_emulator: GcsEmulator, gcs_bucket: str, parts: bool, endpoint: str | None = None
+) -> GcsTier:
+    """Production thresholds (one request up to 150 MiB), or ``parts``: 1 MiB composite parts."""
+    extra: dict[str, object] = (
+        {"chunk_size_bytes": 1024 * 1024, "parallel_threshold_bytes": 0}
+        if parts
+        else {"chunk_size_bytes": 32 * 1024 * 1024, "parallel_threshold_bytes": 150 * 1024**2}
+    )
+    if endpoint is not None:
+        extra["endpoint"] = endpoint
+    cfg = gcs_emulator.tier_config(gcs_bucket, prefix="ckpt/", **extra)
+    return GcsTier(cfg, writer_id=WRITER, retry_timeout=10)
+
+
+def test_a_shard_over_8_mib_goes_up_in_one_streamed_request_from_a_longer_slot_file(
+    gcs_emulator: GcsEmulator, admin: storage.Client, gcs_bucket: str, tmp_path: Path
+) -> None:
+    path, manifest, data = make_shard(tmp_path, job_id=JOB, step=4, nbytes=STREAMED, pad=70_000)
+    proxy = _FaultProxy(gcs_emulator.endpoint, via_proxy=True)
+    with proxy, _streaming_tier(gcs_emulator, gcs_bucket, False, proxy.endpoint) as tier:
+        assert tier.put_shard(JOB, 4, 0, path, manifest) == STREAMED
+    uploads = [(m, p) for m, p, _ in proxy.seen if "/upload/" in p]
+    assert [m for m, _ in uploads] == ["POST", "PUT", "POST"], uploads  # session, data, manifest
+    assert _names(admin, gcs_bucket) == {
+        f"ckpt/{layout.data_key(JOB, 4, 0)}",
+        f"ckpt/{layout.manifest_key(JOB, 4, 0)}",
+    }
+    stored = admin.bucket(gcs_bucket).get_blob(f"ckpt/{layout.data_key(JOB, 4, 0)}")
+    assert stored is not None and stored.size == STREAMED
+    assert crc32c_of_b64(stored.crc32c) == manifest.crc32c
+    assert stored.metadata[META_WRITER] == WRITER
+    with _streaming_tier(gcs_emulator, gcs_bucket, False) as tier:
+        tier.fetch_shard(JOB, 4, 0, tmp_path / "back.bin")
+    assert (tmp_path / "back.bin").read_bytes() == data
+
+
+@pytest.mark.parametrize("parts", [False, True], ids=["one-request", "parts"])
+def test_a_corrupt_source_is_stopped_while_it_streams_naming_the_chunk(
+    gcs_emulator: GcsEmulator, admin: storage.Client, gcs_bucket: str, tmp_path: Path, parts: bool
+) -> None:
+    """The bytes sent are checked as they are read: the request is abandoned before the object
+    is finalized (nothing stored, nothing to delete) and the error names the bad chunk."""
+    path, manifest, data = make_shard(tmp_path, job_id=JOB, step=5, nbytes=STREAMED, pad=99)
+    bad = bytearray(path.read_bytes())
+    bad[5 * 1024 * 1024 + 3] ^= 0x10
+    path.write_bytes(bytes(bad))
+    chunk = (5 * 1024 * 1024 + 3) // manifest.chunk_size
+    with _streaming_tier(gcs_emulator, gcs_bucket, parts) as tier:
+        with pytest.raises(SourceCorrupt, match=rf"{path} does not match .* in chunk {chunk} "):
+            tier.put_shard(JOB, 5, 0, path, manifest)
+        assert _names(admin, gcs_bucket) == set()
+        path.write_bytes(data)  # the good copy goes up
+        assert tier.put_shard(JOB, 5, 0, path, manifest) == STREAMED
+        tier.verify_shard(JOB, 5, 0)
+
+
+def test_a_streamed_upload_damaged_in_transit_is_deleted_and_the_source_kept(
+    gcs_emulator: GcsEmulator, admin: storage.Client, gcs_bucket: str, tmp_path: Path
+) -> None:
+    """GCS's CRC32C of what it stored differs from that of the bytes sent: the network, not the
+    source (GcsUnreachable, never SourceCorrupt, so the source is not quarantined)."""
+    path, manifest, _ = make_shard(tmp_path, job_id=JOB, step=6, nbytes=STREAMED)
+    proxy = _FaultProxy(gcs_emulator.endpoint, corrupt_request="upload_id=", via_proxy=True)
+    with (
+        proxy,
+        _streaming_tier(gcs_emulator, gcs_bucket, False, proxy.endpoint) as tier,
+        pytest.raises(GcsUnreachable, match="corrupted in transit") as err,
+    ):
+        tier.put_shard(JOB, 6, 0, path, manifest)
+    assert not isinstance(err.value, ShardCorrupt)
+    assert proxy.corrupted >= 1
+    assert _names(admin, gcs_bucket) == set()

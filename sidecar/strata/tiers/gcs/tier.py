@@ -5,11 +5,14 @@ runs it:
 
 1. Upload the data object ``rank-RRRRR.data`` (the first ``manifest.data_nbytes`` bytes of the
    local source file) with ``if_generation_match=0`` (create only, never overwrite) and a CRC32C
-   the client checks against the server's. Shards up to ``chunk_size_bytes`` go up in one simple
-   (JSON multipart) upload. Larger shards are a *parallel composite upload*: parts of at least
-   ``chunk_size_bytes`` (at most 32 of them) are uploaded concurrently by ``max_workers`` threads
-   as temporary objects ``rank-RRRRR.data.part-<tag>-NNNNN``, each with ``if_generation_match=0``
-   and CRC32C, then composed server-side into the data object with ``if_generation_match=0`` and
+   checked against the server's. Shards up to 8 MiB go up in one simple (JSON multipart) upload
+   of the client. Larger ones up to ``parallel_threshold_bytes`` (150 MiB) stream from the file
+   in ONE request of a resumable session (:mod:`strata.tiers.gcs.stream`: 1 MiB blocks, each
+   manifest chunk checked as it is read, so a corrupt source never becomes an object). Larger
+   shards are a *parallel composite upload*: parts of at least ``chunk_size_bytes`` holding
+   whole manifest chunks (at most 32 of them) are streamed the same way concurrently by
+   ``max_workers`` threads as temporary objects ``rank-RRRRR.data.part-<tag>-NNNNN``, each with
+   ``if_generation_match=0``, then composed server-side into the data object with ``if_generation_match=0`` and
    ``if_source_generation_match`` pinned to the parts' generations, and the parts deleted. This is
    what ``gcloud storage`` does for large files. It is used instead of transfer_manager's
    ``upload_chunks_concurrently`` (XML multipart API) because that API accepts no preconditions

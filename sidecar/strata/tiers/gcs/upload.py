@@ -3,14 +3,12 @@ checked against the manifest, then the manifest LAST (the commit; see the packag
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import os
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
 
 import google_crc32c
 from google.api_core import exceptions as gexc
@@ -37,18 +35,19 @@ from strata.tiers.gcs.errors import (
     GcsUnreachable,
     SourceCorrupt,
     TransferCorrupt,
+    TransitMismatch,
 )
+from strata.tiers.gcs.stream import CheckedBody, upload_range
 
 log = logging.getLogger(__name__)
 
-UPLOAD_BUFFER_BYTES = 8 * 1024 * 1024
-"""Bytes one upload request holds in memory (a resumable upload's chunk; a 256 KiB multiple).
-
-The client reads a resumable upload ``chunk_size`` bytes at a time (its default: 100 MiB, and
-a part of a composite upload is up to 1/32 of the shard), so without a fixed chunk the sidecar's
-memory grew with the shard (issue 11, failure 6: 612 MiB for a 2 GiB shard). With it, an upload
-holds at most ``max_workers`` buffers of this size (plus the client's copies of the one in
-flight), whatever the shard size; see README "Sidecar memory"."""
+SIMPLE_UPLOAD_MAX_BYTES = 8 * 1024 * 1024
+"""Shards up to this size go up in one multipart request of the client (it holds them in
+memory; the client's own limit for that kind of upload). Larger ones stream from the file in
+1 MiB blocks (:mod:`strata.tiers.gcs.stream`), one request per object or composite part, so
+an upload holds at most ``max_workers`` blocks whatever the shard size (issue 11, failure 6:
+the client's resumable uploads read ``chunk_size`` bytes at a time, and the sidecar's memory
+grew with the shard); see README "Sidecar memory"."""
 
 
 class GcsUploader(GcsBucket):
@@ -136,10 +135,15 @@ class GcsUploader(GcsBucket):
         nbytes = manifest.data_nbytes
         try:
             with self._errors("uploading", name):
-                if nbytes > self.config.chunk_size_bytes:
-                    blob = self._upload_composite(src, name, nbytes)
+                if nbytes > max(self.config.chunk_size_bytes, self.config.parallel_threshold_bytes):
+                    blob = self._upload_composite(src, name, manifest)
+                elif nbytes > SIMPLE_UPLOAD_MAX_BYTES:
+                    try:
+                        blob = self._upload_streamed(src, 0, nbytes, name, manifest, "data")
+                    except gexc.PreconditionFailed as exc:
+                        raise AlreadyExists(name) from exc
                 else:
-                    blob = self._bucket.blob(name, chunk_size=UPLOAD_BUFFER_BYTES)
+                    blob = self._bucket.blob(name)
                     blob.metadata = self._meta("data")
                     with open(src, "rb") as f:
                         try:
@@ -221,10 +225,15 @@ class GcsUploader(GcsBucket):
             "that writer is gone"
         )
 
-    def _upload_composite(self, src: Path, name: str, nbytes: int) -> storage.Blob:
-        part_size = max(
-            self.config.chunk_size_bytes,
-            math.ceil(math.ceil(nbytes / MAX_COMPOSE_SOURCES) / _PART_ALIGN) * _PART_ALIGN,
+    def _upload_composite(self, src: Path, name: str, manifest: Manifest) -> storage.Blob:
+        nbytes = manifest.data_nbytes
+        # Parts hold whole manifest chunks, so each part checks every chunk it sends.
+        align = math.lcm(_PART_ALIGN, manifest.chunk_size)
+        part_size = (
+            math.ceil(
+                max(self.config.chunk_size_bytes, math.ceil(nbytes / MAX_COMPOSE_SOURCES)) / align
+            )
+            * align
         )
         tag = uuid.uuid4().hex[:12]
         ranges = [(off, min(part_size, nbytes - off)) for off in range(0, nbytes, part_size)]
@@ -236,15 +245,24 @@ class GcsUploader(GcsBucket):
             ) as pool:
                 futures: list[Future[storage.Blob]] = [
                     pool.submit(
-                        self._upload_part, src, off, length, f"{name}{PART_MARKER}{tag}-{i:05d}"
+                        self._upload_part,
+                        src,
+                        off,
+                        length,
+                        f"{name}{PART_MARKER}{tag}-{i:05d}",
+                        manifest,
                     )
                     for i, (off, length) in enumerate(ranges)
                 ]
                 wait(futures)
-            errors = [f.exception() for f in futures if f.exception() is not None]
+            # A corrupt source first: it decides what the caller does (quarantine the source).
+            errors = sorted(
+                (e for f in futures if (e := f.exception()) is not None),
+                key=lambda e: not isinstance(e, SourceCorrupt),
+            )
             uploaded = [f.result() for f in futures if f.exception() is None]
             if errors:
-                raise errors[0]  # type: ignore[misc]
+                raise errors[0]
             final = self._bucket.blob(name)
             final.metadata = self._meta("data")
             final.content_type = "application/octet-stream"
@@ -263,34 +281,53 @@ class GcsUploader(GcsBucket):
             for part in uploaded:
                 self._delete_quietly(part)
 
-    def _upload_part(self, src: Path, offset: int, length: int, name: str) -> storage.Blob:
-        blob = self._bucket.blob(name, chunk_size=UPLOAD_BUFFER_BYTES)
-        blob.metadata = self._meta("part")
-        with open(src, "rb") as raw:
-            # A part above the client's 8 MiB multipart limit goes up as a resumable upload,
-            # which refuses a stream not at position 0 ("Stream must be at beginning"): give it
-            # a view of the range that starts at 0.
-            f = _FileRange(raw.fileno(), offset, length)
-            try:
-                blob.upload_from_file(
-                    f,
-                    size=length,
-                    content_type="application/octet-stream",
-                    if_generation_match=0,
-                    checksum="crc32c",
-                    retry=self._cond_retry,
-                    timeout=self.request_timeout,
-                )
-            except gexc.PreconditionFailed:
-                # Part names are unique to this attempt: a 412 is our own retried upload.
+    def _upload_part(
+        self, src: Path, offset: int, length: int, name: str, manifest: Manifest
+    ) -> storage.Blob:
+        try:
+            return self._upload_streamed(src, offset, length, name, manifest, "part")
+        except gexc.PreconditionFailed:
+            # Part names are unique to this attempt: a 412 is our own retried upload.
+            with open(src, "rb") as raw:
                 expected = google_crc32c.value(os.pread(raw.fileno(), length, offset))
-                landed = self._bucket.get_blob(
-                    name, retry=self._retry, timeout=self.request_timeout
+            landed = self._bucket.get_blob(name, retry=self._retry, timeout=self.request_timeout)
+            if landed is None or crc32c_of_b64(landed.crc32c) != expected:
+                raise
+            return landed
+
+    def _upload_streamed(
+        self, src: Path, offset: int, length: int, name: str, manifest: Manifest, kind: str
+    ) -> storage.Blob:
+        """Bytes ``[offset, offset + length)`` of ``src`` as the new object ``name`` in one
+        streamed, checked request (:mod:`strata.tiers.gcs.stream`). Raises
+        :class:`SourceCorrupt` (no object made), :class:`GcsUnreachable` (damaged in transit:
+        the object was deleted) and the client's errors (``PreconditionFailed``: it exists)."""
+        blob = self._bucket.blob(name)
+        blob.metadata = self._meta(kind)
+        blob.content_type = "application/octet-stream"
+        with open(src, "rb") as f:
+            body = CheckedBody(
+                f.fileno(),
+                offset,
+                length,
+                manifest.chunk_size,
+                manifest.chunk_crc32c or [],
+                str(src),
+            )
+            try:
+                return upload_range(
+                    self._client,
+                    blob,
+                    body,
+                    request_timeout=self.request_timeout,
+                    deadline=self.retry_timeout,
                 )
-                if landed is None or crc32c_of_b64(landed.crc32c) != expected:
-                    raise
-                return landed
-        return blob
+            except TransitMismatch as exc:
+                self._delete_quietly(blob)
+                raise GcsUnreachable(
+                    f"uploading gs://{self.bucket_name}/{name}: corrupted in transit ({exc}); "
+                    "the object was deleted, retry the promotion"
+                ) from exc
 
     def _delete_quietly(self, blob: storage.Blob) -> None:
         try:
@@ -358,34 +395,3 @@ def _same_shard(a: Manifest, b: Manifest) -> bool:
         and a.chunk_crc32c == b.chunk_crc32c
         and a.world_size == b.world_size
     )
-
-
-class _FileRange(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream starting at 0."""
-
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        super().__init__()
-        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = min(max(0, base + pos), self._length)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), self._length - self._pos)
-        if n <= 0:
-            return 0
-        got = os.preadv(self._fd, [view[:n]], self._offset + self._pos)
-        self._pos += got
-        return got
