@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from strata.client import Checkpointer
+from strata.client.cuda_host import copy_to_host
 from strata.client.reuse import confirm
 from strata.config import StrataConfig
 from strata.format import codec
@@ -333,3 +334,25 @@ def test_with_a_real_sidecar_promoting_and_staging(
     with Checkpointer(config, rank=0, world_size=1) as c:
         assert c.restore(restored).step == 70
     assert same(lora.weights(restored), lora.weights(fresh))
+
+
+def test_write_data_leaves_skipped_storages_untouched() -> None:
+    """The copy hooks really skip: the bytes of a skipped storage in the destination stay
+    what they were (here a marker no storage holds), every other byte is written."""
+    state = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.ones(5000)}
+    state["c"] = torch.full((700,), 3.0)
+    enc = codec.encode(state)
+    entry = enc.storages[1]
+    for run in ("codec", "host"):
+        dst = torch.full((enc.data_nbytes,), 0xAB, dtype=torch.uint8)
+        if run == "codec":
+            codec.write_data(enc, dst, skip=frozenset({1}))
+        else:
+            copy_to_host(enc, dst, None, skip=frozenset({1})).wait()
+        hole = dst[entry.offset : entry.offset + entry.nbytes]
+        assert bool((hole == 0xAB).all()), run
+        full = torch.zeros(enc.data_nbytes, dtype=torch.uint8)
+        codec.write_data(enc, full)
+        outside = torch.ones(enc.data_nbytes, dtype=torch.bool)
+        outside[entry.offset : entry.offset + entry.nbytes] = False
+        assert torch.equal(dst[outside], full[outside]), run
