@@ -165,8 +165,11 @@ def test_layout_json_is_serialised_once_and_spliced_byte_identically() -> None:
         "storages": [],  # keys that look like the manifest's own fields
         "w": torch.ones(3, 2).t(),
         "p": torch.nn.Parameter(torch.randn(2)),
-        "text": 'quote " and ,"tensors":[],"storages":[], and ünïcödé',
+        "text": 'quote " and ,"tree":null,"tensors":[],"storages":[], and ünïcödé \x00\n',
         "f": 1.5e300,
+        "big": {f"k{i}\u00e9\t": [i, i * 0.5, None, True, -(2**62)] for i in range(100)},
+        "small": {"x": [torch.zeros(1), {"y": "z"}], "q": (1, "2"), 3: 4},
+        "tensor_dict": {f"t{i}": torch.full((2,), float(i)) for i in range(80)},
     }
     cache = EncodeCache()
     for step in range(3):
@@ -179,7 +182,12 @@ def test_layout_json_is_serialised_once_and_spliced_byte_identically() -> None:
             m.model_copy(update={"tensors": m.tensors[:1]}).model_dump_json().encode()
         )
         state["text"] += "!"
+        state["big"][f"k{step}\u00e9\t"][0] = -step  # a scalar deep in a big dict changes
     assert enc.layout is not None and enc.layout.json.serialised == 1
+    # Unchanged containers are the previous save's node objects (their JSON is kept)
+    again = codec.encode(state, cache=cache)
+    assert again.tree["tensor_dict"] is enc.tree["tensor_dict"]
+    assert again.tree["small"]["__dict__"] is not None and again.tree is not enc.tree
 
 
 def test_the_cached_copy_plan_writes_the_uncached_bytes_and_zeroes_the_padding() -> None:

@@ -19,6 +19,7 @@ Two levels, both proven against the live state on every save (nothing is assumed
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +99,9 @@ class Layout:
     json: LayoutJson
     plans: dict[int, list[list[Piece]]] = field(default_factory=dict)
     """Copy plans by thread count (:func:`strata.format.datacopy.cpu_plan`)."""
+    containers: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    """By ``id`` of a plain dict or list of the state: ``(it, its tree node)`` as the last
+    replay encoded it (:meth:`Replayer.shared`); the object is held so that its id stays its."""
 
     @classmethod
     def build(
@@ -175,6 +179,7 @@ class Layout:
             cuda=self.cuda,
             json=self.json,
             plans=self.plans,
+            containers=self.containers,
         )
 
 
@@ -192,6 +197,28 @@ class Replayer:
     cursor: int = 0
     fresh: list[tuple[int, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
     fresh_keys: set[int] = field(default_factory=set)
+    containers: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    """:attr:`Layout.containers` of this replay (the containers it met)."""
+
+    def shared(self, obj: dict[str, Any] | list[Any], values: list[Any]) -> Any:
+        """Replay mode: the tree node of the plain dict (or list) ``obj`` whose items encode as
+        ``values``: the very node the previous replay built for the same object when its keys
+        and the values' nodes are the same (``is``), else a new one. A node that stays the
+        same object keeps its serialised JSON (:meth:`LayoutJson.tree_json`)."""
+        assert self.replay is not None
+        prev = self.replay.containers.get(id(obj))
+        if prev is not None and prev[0] is obj:
+            node = prev[1]
+            if (
+                len(node) == len(values)
+                and all(map(operator.is_, values, node.values() if type(obj) is dict else node))
+                and (type(obj) is list or list(node) == list(obj))
+            ):
+                self.containers[id(obj)] = prev
+                return node
+        node = dict(zip(obj, values, strict=True)) if type(obj) is dict else values
+        self.containers[id(obj)] = (obj, node)
+        return node
 
     def node(self, obj: Any, path: str) -> Any:  # pragma: no cover - the encoder's
         raise NotImplementedError

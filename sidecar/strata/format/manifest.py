@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
+from pydantic_core import to_json
 
 from strata.errors import FormatError, ManifestError
 from strata.format.sealed import seal, unseal
@@ -62,15 +63,27 @@ class LayoutJson:
     """The JSON of a manifest's ``tensors`` and ``storages`` lists, serialised once and spliced
     into every manifest of the same layout (:meth:`Manifest.to_json`): they depend only on the
     layout, and are most of the manifest of a state of many small tensors (bench W3: 9 of the
-    11 ms of serialising a 10,000-tensor manifest). Thread-safe; the lists must not change."""
+    11 ms of serialising a 10,000-tensor manifest). Also the tree's JSON, by node
+    (:meth:`tree_json`). Thread-safe; the lists and the tree nodes must not change."""
 
     def __init__(self, tensors: list[TensorEntry], storages: list[StorageEntry]) -> None:
         self.tensors = tensors
         self.storages = storages
         self._json: bytes | None = None
         self._lock = threading.Lock()
+        self._tree: dict[int, tuple[Any, bytes]] = {}
         self.serialised = 0
         """How many times the lists were serialised (tests: once per layout)."""
+
+    def tree_json(self, tree: Any) -> bytes:
+        """``tree`` as JSON, the bytes ``model_dump_json`` writes for it; a dict or list node
+        that is the very object met in the previous call (the encoder reuses unchanged nodes:
+        :meth:`strata.format.encode_cache.Replayer.shared`) is not serialised again."""
+        with self._lock:
+            new: dict[int, tuple[Any, bytes]] = {}
+            out = _tree_json(tree, self._tree, new)
+            self._tree = new
+            return out
 
     def json(self) -> bytes:
         """``,"tensors":[...],"storages":[...],`` exactly as ``model_dump_json`` writes them."""
@@ -219,17 +232,26 @@ class Manifest(BaseModel):
 
     def _body(self) -> bytes:
         # The serializer's bytes are model_dump_json()'s, without a decode and an encode.
-        to_json = self.__pydantic_serializer__.to_json
+        dump = self.__pydantic_serializer__.to_json
         cached = self._layout
         if cached is None or cached[1] is not self.tensors or cached[2] is not self.storages:
-            return to_json(self)
-        head = to_json(self.model_copy(update={"tensors": [], "storages": []}))
-        # The last occurrence is the manifest's own fields: the tree comes before them, and no
-        # field after them can hold this text (JSON strings escape '"').
+            return dump(self)
+        head = dump(self.model_copy(update={"tree": None, "tensors": [], "storages": []}))
+        # The last occurrence is the manifest's own fields: no field after them can hold this
+        # text (JSON strings escape '"'), and the fields before are scalars.
         at = head.rfind(_EMPTY_LAYOUT)
         if at < 0:  # pragma: no cover - pydantic changed its field order or spacing
-            return to_json(self)
-        return b"".join((head[:at], cached[0].json(), head[at + len(_EMPTY_LAYOUT) :]))
+            return dump(self)
+        layout = cached[0]
+        return b"".join(
+            (
+                head[:at],
+                b',"tree":',
+                layout.tree_json(self.tree),
+                layout.json(),
+                head[at + len(_EMPTY_LAYOUT) :],
+            )
+        )
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> Manifest:
@@ -275,7 +297,31 @@ class Manifest(BaseModel):
 
 _TENSORS = TypeAdapter(list[TensorEntry])
 _STORAGES = TypeAdapter(list[StorageEntry])
-_EMPTY_LAYOUT = b',"tensors":[],"storages":[],'
+_EMPTY_LAYOUT = b',"tree":null,"tensors":[],"storages":[],'
+_DESCEND = 64
+"""A new tree node of more entries is serialised in one call (C), not entry by entry."""
+
+
+def _tree_json(
+    node: Any, memo: dict[int, tuple[Any, bytes]], new: dict[int, tuple[Any, bytes]]
+) -> bytes:
+    kind = type(node)
+    if kind is not dict and kind is not list:
+        return to_json(node)
+    hit = memo.get(id(node))
+    if hit is not None and hit[0] is node:
+        new[id(node)] = hit
+        return hit[1]
+    if len(node) > _DESCEND:
+        out = to_json(node)
+    elif kind is dict:
+        out = b"{%s}" % b",".join(
+            b"%s:%s" % (to_json(k), _tree_json(v, memo, new)) for k, v in node.items()
+        )
+    else:
+        out = b"[%s]" % b",".join(_tree_json(v, memo, new) for v in node)
+    new[id(node)] = (node, out)
+    return out
 
 
 def _first_line(exc: BaseException) -> str:
