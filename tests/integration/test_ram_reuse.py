@@ -220,29 +220,37 @@ def test_confirm_finds_the_storage_that_differs_across_chunk_boundaries() -> Non
     assert confirm(enc, addr, frozenset({0, 2}), 4096).bad == []  # not skipped: not compared
 
 
-def test_an_overlapped_save_drops_its_slots_record_and_reuse_resumes(shm_dir: Path) -> None:
-    """An overlapped save rewrites a whole slot (its record is dropped first); the blocking
-    saves after it leave the base in place again and every step holds the bytes saved."""
+def test_overlapped_saves_leave_the_base_in_place_and_catch_data_writes(shm_dir: Path) -> None:
+    """save(blocking=False): the copy of the changed bytes runs in the background, and
+    wait_copied() returns once the confirmation has committed the step (or refused it)."""
     state = lora.make_state()
     with checkpointer(shm_dir / "ram") as c:
         c.restore(state)
-        for step in (1, 2, 3):
+        written = []
+        for step in range(1, 6):
             lora.fill(state, step)
-            save(c, state, step)
-        total = c.ram.get_manifest(JOB, 3, 0).data_nbytes
-        lora.fill(state, 4)
-        assert c.save(4, state, blocking=False)
+            assert c.save(step, state, blocking=False)
+            assert c.wait_copied() is True, c.last_error
+            assert committed(c)[-1] == step  # committed when wait_copied() returns
+            c.wait()
+            written.append(c.saver.last_copied_nbytes)
+            assert same(ram_weights(c, step), lora.weights(state))
+        total = c.ram.get_manifest(JOB, 5, 0).data_nbytes
+        assert written == [total, total] + [total - lora.BASE_BYTES] * 3
+        state["base"][2].weight.data.mul_(2.0)  # behind the version counter's back
+        lora.fill(state, 6)
+        assert c.save(6, state, blocking=False)
+        assert c.wait_copied() is False
+        assert c.failed_saves == 1 and committed(c) == [5]
+        lora.fill(state, 7)
+        assert c.save(7, state, blocking=False)
         assert c.wait_copied() is True
         c.wait()
-        assert c.saver.last_copied_nbytes == total
-        assert same(ram_weights(c, 4), lora.weights(state))
-        written = []
-        for step in (5, 6, 7):
-            lora.fill(state, step)
-            written.append(save(c, state, step))
-            assert same(ram_weights(c, step), lora.weights(state))
-        assert c.failed_saves == 0, c.last_error
-    assert written == [total - lora.BASE_BYTES] * 3
+        assert same(ram_weights(c, 7), lora.weights(state))
+        # blocking and overlapped saves share the records
+        lora.fill(state, 8)
+        assert save(c, state, 8) == total - 2 * 512 * 512 * 4  # base[2] is copied from now on
+        assert same(ram_weights(c, 8), lora.weights(state))
 
 
 def test_a_frozen_tensor_changed_before_the_confirmation_fails_that_step_only(

@@ -30,8 +30,7 @@ frozen embeddings) need not be copied again. How it stays safe:
 
 States holding CUDA tensors are always copied in full (the Saver does not ask for a plan):
 confirming a CUDA storage needs its live bytes next to the slot's, which this module does not
-do, and no GPU was there to test it. Overlapped saves (``blocking=False``) are copied in full
-too, and drop the record of their slot first.
+do, and no GPU was there to test it.
 """
 
 from __future__ import annotations

@@ -32,8 +32,10 @@ against the live ones, so the step becomes visible (and ``saves`` / ``last_saved
 a little later; :meth:`Saver.wait_copied` returns its outcome, and :meth:`Saver.wait` and the
 next ``save()`` wait for it. A confirmation that fails (a write the version counter did not
 see) makes the step a failed save, logged and counted like any other; the previous step is
-intact. ``last_copied_nbytes`` says how many bytes the newest save wrote. Overlapped saves
-and states holding CUDA tensors are always copied in full.
+intact. ``last_copied_nbytes`` says how many bytes the newest save wrote. An overlapped save
+leaves bytes in place the same way; its :meth:`Saver.wait_copied` (and so the optimizer's
+pre-hook) then waits for the confirmation too. States holding CUDA tensors are always copied
+in full.
 
 ``prepare(nbytes)`` allocates, maps with ``MAP_POPULATE`` (and registers with CUDA) every slot
 of the ring before a save needs it: the checkpointer calls it in the background at ``restore()``
@@ -438,20 +440,24 @@ class Saver:
         enc = self._encode(state, replicated)
         versions = _versions(enc.live)
         stream = self._stream(enc)
+        valid = self.reuse.validate()
         lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
         try:
-            self.reuse.take(lock.identity, frozenset())  # overwritten in full: drop its record
-            self.last_copied_nbytes = enc.data_nbytes
+            rec = self.reuse.take(lock.identity, valid)  # before anything writes into the slot
+            skip = self.reuse.plan(rec, enc, versions) if stream is None else frozenset()
+            self.last_copied_nbytes = enc.data_nbytes - sum(enc.storages[i].nbytes for i in skip)
             mm = self._mapping(lock)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
-            handle = copy_to_host(enc, dst, self.copy_pool, stream, background=self._overlap)
+            handle = copy_to_host(
+                enc, dst, self.copy_pool, stream, background=self._overlap, skip=skip
+            )
         except BaseException:
             lock.release()
             raise
         self._hook_optimizers(state)
         stall = time.perf_counter() - t0
         self._inflight = self._overlap.submit(
-            self._complete, step, enc, versions, lock, handle, dst, stall
+            self._complete, step, enc, versions, lock, handle, dst, stall, skip
         )
 
     def _complete(
@@ -463,10 +469,13 @@ class Saver:
         handle: CopyHandle,
         dst: torch.Tensor,
         stall: float,
+        skip: frozenset[int] = frozenset(),
     ) -> bool:
+        confirming: Future[bool] | None = None
         try:
             try:
                 handle.wait()
+                addr = dst.data_ptr()
                 del dst
                 changed = [
                     i
@@ -480,15 +489,29 @@ class Saver:
                         "committed; call wait_copied() (or let optimizer.step() do it) before "
                         "changing the state"
                     )
-                checksum = self._commit(step, enc, lock, versions)
+                if skip:  # committed by the confirmation, on the background thread (in order)
+                    confirming = self._bg.submit(
+                        self._confirm, step, enc, lock, versions, skip, addr, stall
+                    )
+                else:
+                    checksum = self._commit(step, enc, lock, versions)
             finally:
-                lock.release()
-            self._start_checksum(checksum)
+                if confirming is None:
+                    lock.release()
+            if confirming is None:
+                self._start_checksum(checksum)
         except Exception as exc:
             self._failed(step, exc)
             if self.raise_on_error:
                 raise
             return False
+        if confirming is not None:
+            with self._pending_lock:
+                self._pending = [f for f in self._pending if not f.done()] + [confirming]  # type: ignore[list-item]
+            ok = confirming.result()  # _confirm records its own outcome
+            if ok:
+                self._after_save(enc.data_nbytes)
+            return ok
         self._succeeded(step, stall)
         self._after_save(enc.data_nbytes)
         return True
@@ -632,7 +655,9 @@ class Saver:
             self.cadence.forget()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait until every background checksum pass submitted so far has finished."""
+        """Wait until the save in flight (if any, :meth:`wait_copied`) and every background
+        checksum pass submitted so far have finished."""
+        self.wait_copied(timeout)  # its commit may still submit work to the background thread
         with self._pending_lock:
             pending = list(self._pending)
         for fut in pending:
