@@ -28,6 +28,13 @@ frozen embeddings) need not be copied again. How it stays safe:
    (:meth:`SlotReuse.disable`). Per chunk the comparison is CRC32C against CRC32C, the same
    standard as the PVC/GCS references (:mod:`strata.format.incremental`).
 
+Limits. A storage left in place that the training loop changes in place after ``save()``
+returned but before its confirmation ran (~0.1 s per GiB) cannot be confirmed any more: that
+step is not committed either (skipping stays on; the version counter did its job). A state
+that builds a new large tensor for every save (``torch.cat`` of the parameters) at an address
+the allocator hands out again, with the same size and version counter, fools the hint once:
+that save fails its confirmation and the storage is copied from then on.
+
 States holding CUDA tensors are always copied in full (the Saver does not ask for a plan):
 confirming a CUDA storage needs its live bytes next to the slot's, which this module does not
 do, and no GPU was there to test it.
