@@ -57,7 +57,7 @@ TARGETS: list[tuple[str, str, float]] = [
     ("commit_ram_over_cp", "<=", 1.2),
     ("promote_pvc_over_cp", "<=", 1.2),
     ("promote_gcs_over_upload", "<=", 1.2),
-    ("restore_ram_over_memcpy", "<=", 2.0),
+    ("restore_ram_over_memcpy", "<=", 1.5),  # issue 14
     ("interference_fraction", "<=", 0.05),
     ("tmpfs_over_shard", "<=", 2.2),
 ]

@@ -182,6 +182,10 @@ class RestoreEvent(JobRequest):
     seconds: Annotated[float, Field(ge=0)] = 0.0
     outcome: Literal["restored", "fresh-start", "failed"] = "restored"
     skipped: list[str] = []
+    quarantined: list[str] = []
+    """Tiers whose copy the trainer's own load found corrupt and quarantined (a RAM hit the
+    sidecar left to it, ``StageReply.deferred_verify``); the sidecar counts each as a checksum
+    mismatch, as it does for the copies its staging quarantines."""
 
 
 ClientEvent = Annotated[SaveEvent | RestoreEvent, Field(discriminator="kind")]

@@ -311,7 +311,7 @@ def test_a_ram_hit_through_the_sidecar_is_verified_once_by_the_trainers_load(
 
     pvc_root = tmp_path / "pvc"
     config = config_for(shm_dir, pvc_root)
-    sidecar_proc(config)
+    side = sidecar_proc(config)
     g = torch.Generator().manual_seed(3)
     state = {
         "w": torch.randn(3 * 1024 * 1024 // 4 + 7, generator=g),
@@ -341,6 +341,16 @@ def test_a_ram_hit_through_the_sidecar_is_verified_once_by_the_trainers_load(
     assert any(n.startswith("ram:") and "quarantined" in n for n in result.skipped)
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
     assert target["step"] == 50
+    # The sidecar counts the mismatch the trainer found, as for those its staging finds.
+    wait_until(
+        lambda: (
+            metric_samples(side.scrape()).get(
+                ("strata_checksum_mismatches_total", (("tier", "ram"),))
+            )
+            == 1
+        ),
+        what="the trainer's mismatch counted by the sidecar",
+    )
 
 
 def test_c06_no_tier_holds_a_step_is_a_clear_error_never_a_silent_step_0(

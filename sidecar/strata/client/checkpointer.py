@@ -322,6 +322,7 @@ class Checkpointer:
         """The incarnation opened by the last :meth:`restore` (``""`` before any)."""
         self._sharded_load = ShardedLoad(self.rank, self.world_size, self.world_size)
         self._loaded_hint: tuple[int, bool] | None = None
+        self._load_quarantined: list[str] = []
         self._tier_notes: list[str] = []
 
     # -- tiers ----------------------------------------------------------------------------------
@@ -462,6 +463,7 @@ class Checkpointer:
         chosen: dict[str, str] | None = None
         excluded: list[int] = []
         clobbered = False
+        self._load_quarantined = []  # copies this restore's loads found corrupt (reported)
         self._restore_tiers()
         notes: list[str] = list(self._tier_notes)
         if self.world_size > 1 and self._dist() is None:
@@ -525,6 +527,7 @@ class Checkpointer:
             except ShardCorrupt as exc:
                 tree, load_err, clobbered = None, f"{res.tier}: {exc}", True
                 notes.append(f"{load_err} (quarantined)")
+                self._load_quarantined.append(res.tier)
                 try:
                     self.ram.quarantine(self.job_id, plan.step, self.rank, str(exc))
                 except TierError as qexc:
@@ -674,6 +677,7 @@ class Checkpointer:
                 nbytes=result.nbytes,
                 seconds=result.seconds,
                 skipped=result.skipped[:16],
+                quarantined=list(self._load_quarantined),
             )
         )
 
@@ -701,6 +705,9 @@ class Checkpointer:
             assert m is not None
             self._component_steps = dict(m.component_steps or {})
             verify = deferred and self.config.restore.verify and m.verified
+            mapped = self.saver.mapping_of(lease.path)
+            if mapped is not None and len(mapped) < m.data_nbytes:
+                mapped = None  # mapped before the slot grew: the loader maps it itself
             out = load_shard(
                 state,
                 m,
@@ -711,7 +718,7 @@ class Checkpointer:
                 # A shard its stager verified (or a policy without verification) is copied
                 # only; one without checksums yet is checksummed on the way.
                 checksum=verify or not m.verified,
-                mapped=self.saver.mapping_of(lease.path),
+                mapped=mapped,
                 device_source=lambda: self.saver.host_view(lease.path),
                 resolve=load.resolve,
             )

@@ -107,6 +107,13 @@ class Activity:
             self.metrics.restore_total.labels(
                 tier=restore.tier or "none", outcome=restore.outcome
             ).inc()
+            for name in event.quarantined:  # found corrupt by the trainer's load, quarantined
+                tier = _tier_name(name)
+                if tier is not None:
+                    self.metrics.checksum_mismatches.labels(tier=tier).inc()
+                    self.error(
+                        tier, f"checksum mismatch found by rank {event.rank}'s restore, quarantined"
+                    )
             if restore.outcome == "restored" and restore.tier is not None:
                 self.metrics.restore_duration.labels(tier=restore.tier).observe(restore.seconds)
             with self._lock:
