@@ -364,3 +364,25 @@ def test_write_data_leaves_skipped_storages_untouched() -> None:
         outside = torch.ones(enc.data_nbytes, dtype=torch.bool)
         outside[entry.offset : entry.offset + entry.nbytes] = False
         assert torch.equal(dst[outside], full[outside]), run
+
+
+def test_a_new_storage_at_a_freed_ones_address_is_copied(shm_dir: Path) -> None:
+    """The hint is the very storage recorded, not its address: a new tensor over the same
+    memory every save (same address, size and version counter; other bytes) is always copied,
+    and no save fails its confirmation."""
+    buf = bytearray(1 << 20)
+    state = lora.make_state()
+    with checkpointer(shm_dir / "ram") as c:
+        c.restore(state)
+        for step in range(1, 7):
+            lora.fill(state, step)
+            buf[:] = bytes([step]) * len(buf)
+            blob = torch.frombuffer(buf, dtype=torch.uint8)  # a new storage over buf
+            n = save(c, {"blob": blob, **state}, step)
+            assert c.failed_saves == 0, c.last_error
+            m = c.ram.get_manifest(JOB, step, 0)
+            if step > 2:
+                assert n == m.data_nbytes - lora.BASE_BYTES  # the base only is left in place
+            tree: Any = codec.load(m, bytearray(c.ram.data_path(JOB, step, 0).read_bytes()))
+            assert bool((tree["blob"] == step).all())
+            del blob

@@ -17,7 +17,9 @@ frozen embeddings) need not be copied again. How it stays safe:
    restore (:meth:`SlotReuse.forget`) all mean no record, so a full copy.
 2. **Hint** (:meth:`SlotReuse.plan`): storage i is not copied iff the slot's record is valid and
    lists a storage at the same offset with the same size and signature (a layout change copies
-   every storage that moved), it is on the CPU, and skipping was not turned off for it.
+   every storage that moved), that storage is the very storage object recorded (a weak
+   reference: not one allocated since at a freed one's address), it is on the CPU, and
+   skipping was not turned off for it.
 3. **Confirmation** (:func:`confirm`, off the training thread, before the step is visible):
    the slot's chunk CRC32Cs are computed as the checksum pass always does, and the same chunks
    are checksummed again with the live bytes in place of every skipped range; the step is
@@ -30,10 +32,7 @@ frozen embeddings) need not be copied again. How it stays safe:
 
 Limits. A storage left in place that the training loop changes in place after ``save()``
 returned but before its confirmation ran (~0.1 s per GiB) cannot be confirmed any more: that
-step is not committed either (skipping stays on; the version counter did its job). A state
-that builds a new large tensor for every save (``torch.cat`` of the parameters) at an address
-the allocator hands out again, with the same size and version counter, fools the hint once:
-that save fails its confirmation and the storage is copied from then on.
+step is not committed either (skipping stays on; the version counter did its job).
 
 States holding CUDA tensors are always copied in full (the Saver does not ask for a plan):
 confirming a CUDA storage needs its live bytes next to the slot's, which this module does not
@@ -45,6 +44,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -71,8 +71,10 @@ class SlotRecord:
 
     step: int
     stamp: Stamp
-    storages: dict[int, tuple[int, Signature]]
-    """offset in the slot (bytes) -> (nbytes, signature at the copy); CPU storages only."""
+    storages: dict[int, tuple[int, Signature, weakref.ref[torch.UntypedStorage]]]
+    """offset in the slot (bytes) -> (nbytes, signature at the copy, the storage itself, weakly:
+    torch keeps one Python object per live storage, so a storage freed since, and another one
+    allocated at its address, never match); CPU storages only."""
 
 
 def _stamp(path: os.PathLike[str] | str) -> Stamp | None:
@@ -135,8 +137,11 @@ class SlotReuse:
         sigs = storage_signatures(enc.live, versions, enc.sources)
         out = []
         for i, (entry, sig) in enumerate(zip(enc.storages, sigs, strict=True)):
-            if sig is None or rec.storages.get(entry.offset) != (entry.nbytes, sig):
+            held = rec.storages.get(entry.offset)
+            if sig is None or held is None or held[:2] != (entry.nbytes, sig):
                 continue
+            if held[2]() is not enc.sources[i].untyped_storage():
+                continue  # another storage at the same address (the old one was freed)
             if (sig[0], sig[1]) not in self._disabled:
                 out.append(i)
         return frozenset(out)
@@ -147,15 +152,17 @@ class SlotReuse:
         step: int,
         storages: Sequence[StorageEntry],
         sigs: Sequence[Signature | None],
+        sources: Sequence[torch.Tensor],
     ) -> None:
         """Record that slot ``ident`` holds ``step`` as committed now (call after the step's
-        checksums are in its manifest, while the slot is still leased or locked)."""
+        checksums are in its manifest, while the slot is still leased or locked); ``storages``,
+        ``sigs``, ``sources``: the save's, per storage."""
         stamp = _stamp(self.ram.manifest_path(self.job_id, step, self.rank))
         if stamp is None:
             return
         keep = {
-            entry.offset: (entry.nbytes, sig)
-            for entry, sig in zip(storages, sigs, strict=True)
+            entry.offset: (entry.nbytes, sig, weakref.ref(src.untyped_storage()))
+            for entry, sig, src in zip(storages, sigs, sources, strict=True)
             if sig is not None and sig[2] == "cpu" and entry.nbytes >= self.min_bytes
         }
         with self._lock:

@@ -421,7 +421,7 @@ class Saver:
                 self.ram.commit_slot(
                     self.job_id, step, self.rank, lock.path, manifest, expect=lock.identity
                 )
-                self.reuse.remember(lock.identity, step, enc.storages, sigs)
+                self.reuse.remember(lock.identity, step, enc.storages, sigs, enc.sources)
             finally:
                 lock.release()
         except Exception as exc:
@@ -639,7 +639,7 @@ class Saver:
                 if m is None or m.verified or m.created.isoformat() != created:
                     return
                 if self.ram.seal(lease, unchanged) is not None:
-                    self.reuse.remember(slot, step, storages, sigs)
+                    self.reuse.remember(slot, step, storages, sigs, snap.sources)
         except ShardUnavailable as exc:
             log.info("strata: step %d left the RAM tier before its checksum pass: %s", step, exc)
         except Exception as exc:
