@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.client.unchanged import Signature, storage_signatures
+from strata.errors import StateChanged
 from strata.format import codec
 from strata.format.crc import combine_chunks, crc32c_address
 from strata.format.manifest import StorageEntry
@@ -167,6 +168,49 @@ class SlotReuse:
         }
         with self._lock:
             self._records[ident] = SlotRecord(step, stamp, keep)
+
+    def confirmed(
+        self,
+        step: int,
+        enc: codec.EncodedState,
+        slot_addr: int,
+        skip: frozenset[int],
+        sigs: Sequence[Signature | None],
+        chunk_size: int,
+        pool: Executor | None = None,
+        workers: int = 1,
+    ) -> Confirmation:
+        """:func:`confirm` the save of ``step`` (``sigs``: its storages' signatures at the
+        copy); the slot's checksums when every storage in ``skip`` holds the live bytes.
+
+        Raises :class:`strata.errors.StateChanged` when a skipped storage's version counter
+        moved since the save (its bytes as saved can no longer be confirmed), or when one
+        differs from the slot without a move (a write the counter did not see: skipping is then
+        turned off for it, :meth:`disable`).
+        """
+        res = confirm(enc, slot_addr, skip, chunk_size, pool, workers)
+        now = live_signatures(enc)
+        moved = [i for i in skip if now[i] != sigs[i]]
+        if moved:
+            raise StateChanged(
+                f"{len(moved)} storage(s) left in place by the save of step {step} changed in "
+                "place before their bytes were confirmed, so that step is not committed (their "
+                "bytes as saved can no longer be confirmed)"
+            )
+        if res.bad:
+            self.disable(sigs, res.bad)
+            shown = ", ".join(
+                f"#{i}: {enc.storages[i].nbytes} bytes at offset {enc.storages[i].offset}"
+                for i in res.bad[:4]
+            ) + (", ..." if len(res.bad) > 4 else "")
+            raise StateChanged(
+                f"{len(res.bad)} storage(s) of the state ({shown}) differ from the bytes left in "
+                f"place in the RAM slot that step {step} reused, although no version counter "
+                "moved: a write that bypassed the version counter (tensor.data, set_(), another "
+                f"process). Step {step} is not committed; those storages are copied on every "
+                "save from now on"
+            )
+        return res
 
     def disable(self, sigs: Sequence[Signature | None], indices: Sequence[int]) -> None:
         """Never skip these storages again (their hint was wrong once)."""

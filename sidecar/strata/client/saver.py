@@ -66,7 +66,7 @@ from strata.client.cuda_host import (
     copy_to_host,
     holds_cuda,
 )
-from strata.client.reuse import SlotReuse, confirm, live_signatures
+from strata.client.reuse import SlotReuse
 from strata.client.unchanged import Snapshot, UnchangedTracker, storage_signatures
 from strata.config import Interval
 from strata.errors import ShardUnavailable, StateChanged, TierError
@@ -392,25 +392,9 @@ class Saver:
                 snap = Snapshot(list(enc.live), versions, list(enc.sources))
                 unchanged = self._unchanged.since(step, snap, sigs)
                 faults.point("save.confirm")
-                res = confirm(enc, addr, skip, self.chunk_size, self.copy_pool, self.copy_threads)
-                now = live_signatures(enc)
-                moved = [i for i in skip if now[i] != sigs[i]]
-                if moved:
-                    raise StateChanged(
-                        f"{len(moved)} storage(s) left in place by the save of step {step} "
-                        "changed in place before their bytes were confirmed, so that step is "
-                        "not committed (their bytes as saved can no longer be confirmed)"
-                    )
-                if res.bad:
-                    self.reuse.disable(sigs, res.bad)
-                    raise StateChanged(
-                        f"{len(res.bad)} storage(s) of the state ({_describe(enc, res.bad)}) "
-                        "differ from the bytes left in place in the RAM slot that step "
-                        f"{step} reused, although no version counter moved: a write that "
-                        "bypassed the version counter (tensor.data, set_(), another process). "
-                        f"Step {step} is not committed; those storages are copied on every "
-                        "save from now on"
-                    )
+                res = self.reuse.confirmed(
+                    step, enc, addr, skip, sigs, self.chunk_size, self.copy_pool, self.copy_threads
+                )
                 manifest = self._manifest(step, enc).model_copy(
                     update={
                         "chunk_crc32c": res.chunk_crc32c,
@@ -696,14 +680,6 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
         return [t._version for t in tensors]
     except RuntimeError:  # an inference-mode tensor
         return [_version(t) for t in tensors]
-
-
-def _describe(enc: codec.EncodedState, indices: list[int]) -> str:
-    shown = ", ".join(
-        f"#{i}: {enc.storages[i].nbytes} bytes at offset {enc.storages[i].offset}"
-        for i in indices[:4]
-    )
-    return shown + (", ..." if len(indices) > 4 else "")
 
 
 def _optimizers(state: Any, depth: int = 0) -> list[torch.optim.Optimizer]:
