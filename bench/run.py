@@ -468,13 +468,13 @@ class Bench:
         workloads["W1"] = {"description": w1.description, "bytes": w1.nbytes, "tensors": w1.count}
         res = self.save_section(w1, primary=True)
         self.save_ratios(res)
-        if hasattr(self, "saver"):
+        if hasattr(self, "saver") and not a.save_only:
             for section in (self.promote_section, self.restore_section):
                 self._guard(section.__name__, lambda s=section, w=w1: s(w))
             self._guard("interference", self.interference_section)
         del w1
         gc.collect()
-        if not a.skip_gcs:
+        if not a.skip_gcs and not a.save_only:
             self._guard("gcs", self.gcs_section)
         if hasattr(self, "saver"):
             self.saver.close()
@@ -631,6 +631,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "SCHED_IDLE + I/O idle)",
     )
     ap.add_argument("--skip-gcs", action="store_true")
+    ap.add_argument(
+        "--save-only",
+        action="store_true",
+        help="only the save groups (W1 and --workloads): no promotion, restore, interference "
+        "or GCS sections",
+    )
     ap.add_argument("--shm-dir", default="/dev/shm")
     ap.add_argument(
         "--disk-dir",

@@ -35,7 +35,11 @@ def gcs_unavailable() -> str | None:
 class StrataSaver:
     """A :class:`strata.Checkpointer` (rank 0 of 1) on a RAM tier directory of its own.
 
-    ``keep=1``: the default ring of two slots. Each :meth:`save` is a new step.
+    ``keep=1``: the default ring of two slots. Each :meth:`save` is a new step. RAM reuse of
+    unchanged bytes (:mod:`strata.client.reuse`) is off: the workloads do not change between
+    saves, while training changes every parameter each step, so with it on a save would leave
+    nearly everything in place and the save groups would not measure the copy (reuse is
+    measured by ``bench/incremental.py``).
     """
 
     def __init__(self, ram_dir: Path, threads: int, keep: int = 1) -> None:
@@ -53,6 +57,7 @@ class StrataSaver:
             copy_threads=threads,
             raise_on_error=True,
         )
+        self.ck.saver.reuse.enabled = False
 
     def save(self, state: dict[str, Any]) -> None:
         self.step += 1

@@ -73,6 +73,57 @@ def test_bench_smoke_writes_ratios_json_and_plot(tmp_path: Path) -> None:
     assert not report["notes"], report["notes"]
 
 
+def test_bench_save_only_runs_the_save_groups_and_measures_copies_not_reuse(
+    tmp_path: Path,
+) -> None:
+    """``--save-only`` (issue 14 item 6): W1 and W3 save groups, nothing else; every Strata save
+    copied the whole state (RAM reuse is off in the save cases: the workloads never change)."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench.run", "--smoke", "--save-only", "--workloads", "w3"),
+            *("--out", str(out), "--name", "save", "--disk-dir", str(tmp_path)),
+        ],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "save.json").read_text())
+    ratios = report["ratios"]
+    for key in ("save_stall_over_memcpy", "w3_save_stall_over_memcpy"):
+        assert math.isfinite(ratios[key]), f"{key} = {ratios.get(key)}; {report['notes']}"
+    assert not any(k.startswith(("promote", "restore", "interference")) for k in ratios)
+    assert {k.split(":")[0] for k in report["sections"] if k.startswith("save ")} == {
+        "save W1",
+        "save W3",
+    }
+    assert not report["notes"], report["notes"]
+
+
+def test_bench_strata_saves_copy_the_whole_unchanged_state(shm_dir: Path) -> None:
+    """The save cases time the copy: an unchanged state saved again into a slot that holds it
+    is still copied in full (RAM reuse would leave it in place; bench/incremental measures it)."""
+    import torch
+    from bench.strata_cases import StrataSaver
+
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(1 << 18)}
+    s = StrataSaver(shm_dir / "ram", threads=2)
+    try:
+        for _ in range(4):  # the ring of two slots, each saved into twice
+            s.save(state)
+            s.wait_committed()
+            copied = s.ck.saver.last_copied_nbytes
+            assert copied is not None and copied >= (1 << 22) + (1 << 20)
+    finally:
+        s.close()
+
+
 def test_bench_archive_weights_only_writes_a_third_of_a_full_finetune(tmp_path: Path) -> None:
     """``python -m bench.archive`` at 4 MiB: an archive tier keeping ``components: [model]`` of an
     AdamW full fine-tune uploads the weights only (a third of the step's bytes)."""
