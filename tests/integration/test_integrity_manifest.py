@@ -16,9 +16,9 @@ from google.cloud import storage
 
 from strata.client import Checkpointer
 from strata.config import StrataConfig
-from strata.errors import ShardCorrupt, ShardUnavailable
+from strata.errors import ManifestError, ShardCorrupt, ShardUnavailable
 from strata.format import layout
-from strata.format.manifest import Manifest
+from strata.format.manifest import PARSED_KEEP, Manifest
 from strata.format.sealed import seal, unseal
 from strata.tiers.gcs import GcsTier
 from strata.tiers.posix import PosixTier
@@ -75,6 +75,29 @@ def test_every_single_bit_flip_of_a_manifest_is_detected(tmp_path: Path) -> None
     with pytest.raises(ShardCorrupt, match="malformed manifest"):
         tier.get_manifest(JOB, 5, 0)
     assert isinstance(Manifest.from_json(raw, "x"), Manifest)
+
+
+def test_the_same_bytes_are_parsed_once_and_a_flip_still_fails(tmp_path: Path) -> None:
+    """Issue 14: a restore reads one manifest up to ten times; the same stored bytes parse to
+    the same object (kept by their exact bytes), and bytes that differ in one bit are parsed,
+    and refused, as before."""
+    from tests.fixtures.gcs import make_shard
+
+    _src, m, _ = make_shard(tmp_path, job_id=JOB, step=6)
+    raw = m.to_json()
+    first = Manifest.from_json(raw, "x")
+    assert Manifest.from_json(bytes(bytearray(raw)), "y") is first  # equal bytes, another object
+    assert first == m
+    rng = random.Random(6)
+    for _ in range(64):
+        bad, bit = flip_bit(raw, rng)
+        with pytest.raises(ManifestError):
+            Manifest.from_json(bad, f"bit {bit}")
+    # Kept manifests are bounded: after PARSED_KEEP others, the first is parsed anew.
+    for step in range(PARSED_KEEP):
+        Manifest.from_json(m.model_copy(update={"step": 100 + step}).to_json(), "other")
+    again = Manifest.from_json(raw, "x")
+    assert again == first and again is not first
 
 
 def test_an_intact_manifest_of_a_newer_strata_is_skipped_never_quarantined(tmp_path: Path) -> None:
