@@ -95,3 +95,8 @@ class Background:
             self.proc.wait()
         rounds_file = self.ready_file.with_suffix(".count")
         self.promotions = int(rounds_file.read_text()) if rounds_file.exists() else 0
+        if self.proc.returncode != 0:  # it exits 0 on SIGTERM; else the window measured nothing
+            raise RuntimeError(
+                f"promoter failed (status {self.proc.returncode}) after {self.promotions} "
+                "promotions: this window ran without it"
+            )

@@ -319,6 +319,10 @@ class Bench:
             ),
         ]
         res = self.rr(f"restore {w.name} (every byte read, verified where Strata)", cases, w.nbytes)
+        # A restore starts a new incarnation, whose sidecar promotes only its own steps: the
+        # background promoter of the interference figure needs a step saved after it.
+        self.saver.save(w.state)
+        self.saver.wait_committed()
         floor.close()
         torch_file.unlink(missing_ok=True)
         disk_torch.unlink(missing_ok=True)
