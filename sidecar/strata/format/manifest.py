@@ -193,6 +193,17 @@ class Manifest(BaseModel):
 
     _layout: tuple[LayoutJson, list[TensorEntry], list[StorageEntry]] | None = PrivateAttr(None)
 
+    def __eq__(self, other: object) -> bool:
+        """Equal fields: the cached layout JSON (:meth:`with_layout_json`) is no part of a
+        manifest's value (pydantic's own ``==`` would compare it too)."""
+        if not isinstance(other, Manifest):
+            return NotImplemented
+        return (
+            type(self) is type(other)
+            and self.__dict__ == other.__dict__
+            and self.__pydantic_extra__ == other.__pydantic_extra__
+        )
+
     def with_layout_json(self, layout: LayoutJson) -> Manifest:
         """This manifest (itself), stating that its ``tensors``/``storages`` are those of
         ``layout`` (element for element), so :meth:`to_json` splices ``layout``'s cached JSON
@@ -227,8 +238,16 @@ class Manifest(BaseModel):
 
     def to_json(self) -> bytes:
         """The stored form: the JSON sealed with its CRC32C (:func:`strata.format.sealed.seal`),
-        so every tier verifies it on the raw bytes before any field is read (issue 11)."""
-        return seal(self._body())
+        so every tier verifies it on the raw bytes before any field is read (issue 11).
+
+        A manifest of an encoded layout (:meth:`with_layout_json`: the trainer's saves) is
+        remembered with its bytes, so that reading those very bytes back in this process
+        (:meth:`from_json`: the checksum pass, a restore) returns it without parsing them again
+        (bench W3: 0.2 s of validation per read of a 10,000-tensor manifest)."""
+        raw = seal(self._body())
+        if self._layout is not None:
+            _parsed_put(raw, self)
+        return raw
 
     def _body(self) -> bytes:
         # The serializer's bytes are model_dump_json()'s, without a decode and an encode.
