@@ -737,3 +737,22 @@ def test_a_streamed_upload_damaged_in_transit_is_deleted_and_the_source_kept(
     assert not isinstance(err.value, ShardCorrupt)
     assert proxy.corrupted >= 1
     assert _names(admin, gcs_bucket) == set()
+
+
+def test_range_crc32c_reads_a_range_in_bounded_blocks(tmp_path: Path) -> None:
+    """What a 412 on a retried part is checked against: the CRC32C of the part's byte range,
+    read in 1 MiB blocks (never the whole part in memory)."""
+    from strata.format import crc
+    from strata.tiers.gcs.stream import BLOCK_BYTES, range_crc32c
+
+    data = os.urandom(3 * BLOCK_BYTES + 777)
+    path = tmp_path / "src"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, n in [(0, len(data)), (5, BLOCK_BYTES), (BLOCK_BYTES - 1, 2 * BLOCK_BYTES + 9)]:
+            assert range_crc32c(fd, off, n) == crc.crc32c(data[off : off + n])
+        with pytest.raises(EOFError, match="ends at byte"):
+            range_crc32c(fd, len(data) - 10, 20)
+    finally:
+        os.close(fd)

@@ -171,6 +171,26 @@ def _attempt(
     return blob
 
 
+def range_crc32c(fd: int, offset: int, length: int) -> int:
+    """CRC32C of bytes ``[offset, offset + length)`` of ``fd``, read in :data:`BLOCK_BYTES`
+    blocks (bounded memory). Raises ``EOFError`` when the file ends early."""
+    buf = bytearray(min(BLOCK_BYTES, max(length, 1)))
+    view = memoryview(buf)
+    value = 0
+    pos, end = offset, offset + length
+    try:
+        while pos < end:
+            piece = view[: min(len(buf), end - pos)]
+            got = _read_full(fd, piece, pos)
+            if got < len(piece):
+                raise EOFError(f"file ends at byte {pos + got}, before byte {end}")
+            value = crc.crc32c(piece, value)
+            pos += got
+    finally:
+        view.release()
+    return value
+
+
 def _read_full(fd: int, piece: memoryview, offset: int) -> int:
     done = 0
     while done < len(piece):

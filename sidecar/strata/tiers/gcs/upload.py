@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-import google_crc32c
 from google.api_core import exceptions as gexc
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption
@@ -37,7 +35,7 @@ from strata.tiers.gcs.errors import (
     TransferCorrupt,
     TransitMismatch,
 )
-from strata.tiers.gcs.stream import CheckedBody, upload_range
+from strata.tiers.gcs.stream import CheckedBody, range_crc32c, upload_range
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +287,7 @@ class GcsUploader(GcsBucket):
         except gexc.PreconditionFailed:
             # Part names are unique to this attempt: a 412 is our own retried upload.
             with open(src, "rb") as raw:
-                expected = google_crc32c.value(os.pread(raw.fileno(), length, offset))
+                expected = range_crc32c(raw.fileno(), offset, length)
             landed = self._bucket.get_blob(name, retry=self._retry, timeout=self.request_timeout)
             if landed is None or crc32c_of_b64(landed.crc32c) != expected:
                 raise
