@@ -473,12 +473,16 @@ class Bench:
         res = self.save_section(w1, primary=True)
         self.save_ratios(res)
         if hasattr(self, "saver") and not a.save_only:
-            for section in (self.promote_section, self.restore_section):
+            sections = [self.restore_section]
+            if not a.restore_only:
+                sections.insert(0, self.promote_section)
+            for section in sections:
                 self._guard(section.__name__, lambda s=section, w=w1: s(w))
-            self._guard("interference", self.interference_section)
+            if not a.restore_only:
+                self._guard("interference", self.interference_section)
         del w1
         gc.collect()
-        if not a.skip_gcs and not a.save_only:
+        if not a.skip_gcs and not a.save_only and not a.restore_only:
             self._guard("gcs", self.gcs_section)
         if hasattr(self, "saver"):
             self.saver.close()
@@ -640,6 +644,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="only the save groups (W1 and --workloads): no promotion, restore, interference "
         "or GCS sections",
+    )
+    ap.add_argument(
+        "--restore-only",
+        action="store_true",
+        help="the W1 save group (it writes the shard) and the restore group alone: no "
+        "promotion, interference or GCS sections",
     )
     ap.add_argument("--shm-dir", default="/dev/shm")
     ap.add_argument(
