@@ -14,8 +14,12 @@ import torch
 
 from strata.client import Checkpointer, RestoreError
 from strata.client.loader import load_shard
-from strata.errors import ShardCorrupt
+from strata.errors import ShardCorrupt, StageError
 from strata.format import crc
+from strata.restore.staging import STAGING_PREFIX, stage_into_ram
+from strata.tiers.posix import PosixTier
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import LocalSlotProvider, slot_size_for, slots_dir
 
 pytestmark = pytest.mark.integration
 JOB = "ns.load"
@@ -210,3 +214,59 @@ def test_a_shard_its_stager_verified_is_copied_without_a_checksum_pass(shm_dir: 
     # verify=True always checksums (checksum=False cannot turn verification off)
     out = load_shard(_state(18), m, path, pool=None, workers=1, verify=True, checksum=False)
     assert out.chunk_crc32c == m.chunk_crc32c
+
+
+def _pvc_with_shard(tmp_path: Path, nbytes: int) -> tuple[PosixTier, bytes]:
+    from tests.fixtures.gcs import make_shard
+
+    src, m, data = make_shard(tmp_path, job_id=JOB, step=7, nbytes=nbytes, chunk_size=1 << 20)
+    pvc = PosixTier(tmp_path / "pvc", "pvc")
+    pvc.put_shard(JOB, 7, 0, src, m)
+    return pvc, data
+
+
+def _slot_files(ram: RamTier) -> list[os.stat_result]:
+    d = slots_dir(ram.root, JOB, 0)
+    return [os.stat(d / n) for n in sorted(os.listdir(d))]
+
+
+def test_a_new_pods_restore_allocates_only_the_slot_its_copy_fills(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 14: staging into an empty RAM tier used to allocate the whole ring (keep + 1
+    slots, every page zero-filled) before copying; now one slot, filled by the copy, then
+    fully allocated and named a slot of the ring; the ring's other slots come later."""
+    nbytes = 3 * (1 << 20) + 5
+    pvc, data = _pvc_with_shard(tmp_path, nbytes)
+    ram = RamTier(shm_dir / "ram")
+    slots = LocalSlotProvider(ram, keep=1)
+    d = slots_dir(ram.root, JOB, 0)
+    d.mkdir(parents=True)
+    (d / f"{STAGING_PREFIX}slot-0").write_bytes(b"left by a killed stager")
+    res = stage_into_ram([ram, pvc], ram, slots, JOB, 7, 0, world_size=1)
+    assert res.tier == "pvc" and not res.deferred_verify
+    assert sorted(os.listdir(d)) == ["slot-0"]  # one slot, the stale file removed
+    (st,) = _slot_files(ram)
+    assert st.st_size == slot_size_for(nbytes)
+    assert st.st_blocks * 512 >= st.st_size  # every page allocated (tmpfs: charged now)
+    assert res.path.read_bytes()[:nbytes] == data
+    assert ram.get_manifest(JOB, 7, 0).crc32c is not None  # committed in RAM: the next is a hit
+    assert os.stat(res.path).st_ino == st.st_ino
+    # The next save completes the ring and never takes the slot holding the restored step.
+    nxt = slots.acquire_slot(JOB, 0, nbytes)
+    assert nxt.name == "slot-1" and sorted(os.listdir(d)) == ["slot-0", "slot-1"]
+    again = stage_into_ram([ram, pvc], ram, slots, JOB, 7, 0, world_size=1)
+    assert again.tier == "ram"
+
+
+def test_a_failed_copy_into_a_new_slot_leaves_nothing_behind(shm_dir: Path, tmp_path: Path) -> None:
+    pvc, _data = _pvc_with_shard(tmp_path, 2 * (1 << 20))
+    with open(pvc.data_path(JOB, 7, 0), "r+b") as f:  # a flipped byte in the PVC copy
+        f.seek(1 << 20)
+        b = f.read(1)
+        f.seek(1 << 20)
+        f.write(bytes([b[0] ^ 1]))
+    ram = RamTier(shm_dir / "ram")
+    with pytest.raises(StageError, match="quarantined"):
+        stage_into_ram([ram, pvc], ram, LocalSlotProvider(ram, keep=1), JOB, 7, 0, world_size=1)
+    assert os.listdir(slots_dir(ram.root, JOB, 0)) == []
