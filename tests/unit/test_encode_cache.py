@@ -187,6 +187,10 @@ def test_layout_json_is_serialised_once_and_spliced_byte_identically() -> None:
     # Unchanged containers are the previous save's node objects (their JSON is kept)
     again = codec.encode(state, cache=cache)
     assert again.tree["tensor_dict"] is enc.tree["tensor_dict"]
+    # ... also after the same manifest was serialised twice (the save, then its checksum pass)
+    m.model_copy(update={"crc32c": 1, "chunk_crc32c": [1]}).to_json()
+    kept = enc.layout.json._tree.values()
+    assert any(node is again.tree["tensor_dict"] for node, _ in kept)
     assert again.tree["small"]["__dict__"] is not None and again.tree is not enc.tree
 
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, Val
 from pydantic_core import to_json
 
 from strata.errors import FormatError, ManifestError
-from strata.format.sealed import seal, unseal
+from strata.format.sealed import seal_parts, unseal
 
 FORMAT_VERSION = 2
 """Version of every Strata record (shard manifest, commit record, incarnation record).
@@ -80,6 +80,9 @@ class LayoutJson:
         that is the very object met in the previous call (the encoder reuses unchanged nodes:
         :meth:`strata.format.encode_cache.Replayer.shared`) is not serialised again."""
         with self._lock:
+            hit = self._tree.get(id(tree))
+            if hit is not None and hit[0] is tree:  # the same tree again (the checksum pass)
+                return hit[1]  # keeping the memo of its nodes for the next save's tree
             new: dict[int, tuple[Any, bytes]] = {}
             out = _tree_json(tree, self._tree, new)
             self._tree = new
@@ -244,32 +247,31 @@ class Manifest(BaseModel):
         remembered with its bytes, so that reading those very bytes back in this process
         (:meth:`from_json`: the checksum pass, a restore) returns it without parsing them again
         (bench W3: 0.2 s of validation per read of a 10,000-tensor manifest)."""
-        raw = seal(self._body())
+        raw = seal_parts(self._body_parts())
         if self._layout is not None:
             _parsed_put(raw, self)
         return raw
 
-    def _body(self) -> bytes:
+    def _body_parts(self) -> tuple[bytes, ...]:
+        """The JSON body, ``model_dump_json()``'s bytes, in parts (joined once, by the seal)."""
         # The serializer's bytes are model_dump_json()'s, without a decode and an encode.
         dump = self.__pydantic_serializer__.to_json
         cached = self._layout
         if cached is None or cached[1] is not self.tensors or cached[2] is not self.storages:
-            return dump(self)
+            return (dump(self),)
         head = dump(self.model_copy(update={"tree": None, "tensors": [], "storages": []}))
         # The last occurrence is the manifest's own fields: no field after them can hold this
         # text (JSON strings escape '"'), and the fields before are scalars.
         at = head.rfind(_EMPTY_LAYOUT)
         if at < 0:  # pragma: no cover - pydantic changed its field order or spacing
-            return dump(self)
+            return (dump(self),)
         layout = cached[0]
-        return b"".join(
-            (
-                head[:at],
-                b',"tree":',
-                layout.tree_json(self.tree),
-                layout.json(),
-                head[at + len(_EMPTY_LAYOUT) :],
-            )
+        return (
+            head[:at],
+            b',"tree":',
+            layout.tree_json(self.tree),
+            layout.json(),
+            head[at + len(_EMPTY_LAYOUT) :],
         )
 
     @classmethod

@@ -17,6 +17,7 @@ incarnation records (:mod:`strata.format.incarnation`); shard manifests may use 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import google_crc32c
 
@@ -30,6 +31,15 @@ def seal(body: bytes) -> bytes:
     """Wrap the JSON ``body`` (bytes of one JSON value) in a self-checksummed envelope."""
     crc = int(google_crc32c.value(body))
     return b'{"crc32c":"%08x","body":' % crc + body + b"}\n"
+
+
+def seal_parts(parts: Sequence[bytes]) -> bytes:
+    """``seal(b"".join(parts))`` with one copy of the bytes instead of three (the CRC32C is
+    extended part by part; a 10,000-tensor manifest is ~1.6 MB)."""
+    crc = 0
+    for part in parts:
+        crc = google_crc32c.extend(crc, part)
+    return b"".join((b'{"crc32c":"%08x","body":' % crc, *parts, b"}\n"))
 
 
 def unseal(raw: bytes, where: str) -> bytes:
