@@ -270,3 +270,23 @@ def test_a_failed_copy_into_a_new_slot_leaves_nothing_behind(shm_dir: Path, tmp_
     with pytest.raises(StageError, match="quarantined"):
         stage_into_ram([ram, pvc], ram, LocalSlotProvider(ram, keep=1), JOB, 7, 0, world_size=1)
     assert os.listdir(slots_dir(ram.root, JOB, 0)) == []
+
+
+def test_start_up_pruning_removes_a_killed_stagers_slot_but_not_a_live_ones(shm_dir: Path) -> None:
+    import fcntl
+
+    from strata.sidecar.promotion.pruning import prune_ram
+
+    ram = RamTier(shm_dir / "ram")
+    d = slots_dir(ram.root, JOB, 0)
+    d.mkdir(parents=True)
+    dead = d / f"{STAGING_PREFIX}slot-0"
+    dead.write_bytes(b"x" * 4096)
+    d1 = slots_dir(ram.root, JOB, 1)
+    d1.mkdir(parents=True)
+    live = d1 / f"{STAGING_PREFIX}slot-0"
+    live.write_bytes(b"y" * 4096)
+    with open(live, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # a stager still copying
+        prune_ram(ram, JOB, keep=1)
+        assert not dead.exists() and live.exists()

@@ -236,16 +236,8 @@ def first_slot(root: Path, job_id: str, rank: int, nbytes: int) -> SlotWriteLock
     """
     d = slots_dir(root, job_id, rank)
     d.mkdir(parents=True, exist_ok=True)
-    has_slots = False
-    for entry in os.scandir(d):
-        if layout.parse_slot(entry.name) is not None:
-            has_slots = True
-        elif entry.name.startswith(STAGING_PREFIX):
-            stale = _try_exclusive(Path(entry.path))
-            if stale is not None:  # no live stager holds it
-                remove_quietly(Path(entry.path))
-                os.close(stale)
-    if has_slots:
+    remove_stale_first_slots(d)
+    if any(layout.parse_slot(e.name) is not None for e in os.scandir(d)):
         return None
     path = d / f"{STAGING_PREFIX}{layout.slot_name(0)}"
     try:
@@ -260,6 +252,24 @@ def first_slot(root: Path, job_id: str, rank: int, nbytes: int) -> SlotWriteLock
         remove_quietly(path)
         return None
     return SlotWriteLock(path, fd)
+
+
+def remove_stale_first_slots(d: Path) -> list[Path]:
+    """Remove the temporary first slots (:func:`first_slot`) in the slot directory ``d`` that
+    no live stager holds (left by a stager killed mid-copy); the paths removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(d))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if entry.name.startswith(STAGING_PREFIX):
+            fd = _try_exclusive(Path(entry.path))
+            if fd is not None:  # no live stager holds it
+                remove_quietly(Path(entry.path))
+                os.close(fd)
+                removed.append(Path(entry.path))
+    return removed
 
 
 def seal_first_slot(lock: SlotWriteLock) -> Path:

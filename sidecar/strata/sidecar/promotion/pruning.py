@@ -12,8 +12,9 @@ import fcntl
 import logging
 import os
 
+from strata.restore.staging import remove_stale_first_slots
 from strata.tiers.ram import RamTier
-from strata.tiers.slots import identity_of, path_identity, remove_slot_if_unused
+from strata.tiers.slots import identity_of, path_identity, remove_slot_if_unused, slots_dir
 
 log = logging.getLogger("strata.promotion")
 
@@ -95,6 +96,8 @@ def shrink_slot_rings(ram: RamTier, job_id: str, keep: int) -> None:
     sidecar restarted keeps every slot it maps (issue 11, failure 1).
     """
     for rank in ram.slot_ranks(job_id):
+        for path in remove_stale_first_slots(slots_dir(ram.root, job_id, rank)):
+            log.info("start-up: removed unfinished staging slot %s", path)
         states = ram.slot_states(job_id, rank)
         free = [s for s in states if not s.steps]
         extra = len(states) - (keep + 1)
