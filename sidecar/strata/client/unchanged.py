@@ -27,9 +27,10 @@ class Snapshot:
     sources: list[torch.Tensor]
 
 
-Signature = tuple[int, int, str, int]
-"""A storage as a save saw it: (address, nbytes, device, sum over the tensors viewing it of
-their version counter + 1)."""
+Signature = tuple[int, int, str, tuple[int, ...]]
+"""A storage as a save saw it: (address, nbytes, device, the version counters of the tensors
+viewing it, in the state's order). The counters themselves, not their sum: a state that drops
+one of two views while the other changes once ((0+1) + (0+1) == 1+1) must not look unchanged."""
 
 
 def storage_signatures(
@@ -38,16 +39,19 @@ def storage_signatures(
     """Per storage of ``sources``: its :data:`Signature` given the version counters
     ``versions`` of the tensors ``live`` (same length), or None when some tensor viewing it
     has no counter (-1) or none does. ~0.3 us per tensor (one storage pointer read each)."""
-    totals: dict[int, int | None] = {}
+    counters: dict[int, list[int] | None] = {}
     for t, v in zip(live, versions, strict=True):
         key = t.untyped_storage().data_ptr()
-        prior = totals.get(key, 0)
-        totals[key] = None if v < 0 or prior is None else prior + v + 1
+        prior = counters.setdefault(key, [])
+        if v < 0:
+            counters[key] = None
+        elif prior is not None:
+            prior.append(v)
     out: list[Signature | None] = []
     for src in sources:
         key = src.data_ptr()
-        total = totals.get(key)
-        out.append(None if total is None else (key, src.numel(), str(src.device), total))
+        seen = counters.get(key)
+        out.append(None if not seen else (key, src.numel(), str(src.device), tuple(seen)))
     return out
 
 
