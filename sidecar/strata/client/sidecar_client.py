@@ -5,7 +5,9 @@
 - :class:`strata.tiers.ram.SlotProvider` (``acquire_slot``): the sidecar allocates and pre-faults
   the slot files, so their tmpfs pages are charged to the sidecar's container;
 - the ``Stager`` protocol of :mod:`strata.client` (``inventory``, ``stage``): the sidecar lists
-  the tiers and stages a shard into RAM, verifying and falling back RAM -> PVC -> GCS;
+  the tiers and stages a shard into RAM, verifying and falling back RAM -> PVC -> GCS (with
+  ``verify_in_place=False`` a RAM hit is left to the caller's one-pass load to verify:
+  ``StageResult.deferred_verify``);
 
 plus ``report`` (save/restore events -> the sidecar's metrics and operator reports; best effort,
 never raises). :func:`connect` returns a client only when a ready sidecar answers on the socket,
