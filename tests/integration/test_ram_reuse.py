@@ -406,3 +406,64 @@ def test_a_view_dropped_from_the_state_with_the_same_counter_sum_is_copied(
         m = c.ram.get_manifest(JOB, 3, 0)
         tree: Any = codec.load(m, bytearray(c.ram.data_path(JOB, 3, 0).read_bytes()))
         assert bool((tree["w"] == 1.0).all())
+
+
+def test_every_step_holds_the_live_state_as_its_structure_changes_between_saves(
+    shm_dir: Path,
+) -> None:
+    """The encode cache (layout replay, spliced manifest JSON) and RAM reuse together, as the
+    state changes between saves: values in place, two same-shaped tensors swapped, a tensor
+    replaced by a new object (often at the freed one's address), the same storage seen as
+    another dtype, a resized tensor, a Parameter's ``.data`` replaced, ``set_()`` onto another
+    storage, a key added and one removed. Every committed step decodes, CRC-checked, to exactly
+    what was live at its save, and no save fails."""
+    n = 1 << 18  # 1 MiB of float32, above MIN_SKIP_BYTES
+    g = torch.Generator().manual_seed(7)
+    state: dict[str, Any] = {
+        "a": torch.randn(n, generator=g),
+        "b": torch.randn(n, generator=g),
+        "frozen": torch.randn(n, generator=g),
+        "p": torch.nn.Parameter(torch.randn(n, generator=g), requires_grad=False),
+        "small": torch.arange(10),
+        "step": 0,
+    }
+
+    def new(dtype: torch.dtype = torch.float32, size: int = n) -> torch.Tensor:
+        return torch.randn(size, generator=g).to(dtype)
+
+    changes: list[Callable[[dict[str, Any]], None]] = [
+        lambda s: s["a"].add_(1.0),
+        lambda s: s.update(a=s["b"], b=s["a"]),  # same shapes, other order
+        lambda s: s.update(b=new()),  # a new object, likely at the freed one's address
+        lambda s: s.update(frozen=s["frozen"].view(torch.int32)),  # same bytes, other dtype
+        lambda s: s.update(frozen=s["frozen"].view(torch.float32)),
+        lambda s: s.update(a=new(size=n + 1024)),  # resized
+        lambda s: setattr(s["p"], "data", new()),  # a Parameter over a new storage
+        lambda s: s["b"].set_(new().untyped_storage()),  # the same object, another storage
+        lambda s: s.update(extra=new()),  # a key added
+        lambda s: s.pop("extra"),  # and removed
+        lambda s: s.update(a=s["a"][: n // 2].clone(), b=s["b"].view(2, n // 2)),
+        lambda s: None,  # nothing changes: everything large is left in place
+    ]
+    left_in_place = 0
+    with checkpointer(shm_dir / "ram") as c:
+        for step in range(1, 2 * len(changes) + 1):
+            changes[(step - 1) % len(changes)](state)
+            state["step"] = step
+            live = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+            written = save(c, state, step)
+            assert c.failed_saves == 0, (step, c.last_error)
+            m = c.ram.get_manifest(JOB, step, 0)
+            left_in_place += m.data_nbytes - written
+            path = c.ram.data_path(JOB, step, 0)
+            c.ram.verify_file(path, m)
+            tree: Any = codec.load(m, bytearray(path.read_bytes()[: m.data_nbytes]))
+            assert tree.keys() == live.keys(), step
+            for k, v in live.items():
+                if torch.is_tensor(v):
+                    got = tree[k]
+                    assert got.dtype == v.dtype and got.shape == v.shape, (step, k)
+                    assert torch.equal(got, v), (step, k)
+                else:
+                    assert tree[k] == v, (step, k)
+    assert left_in_place >= 8 * n * 4  # reuse was at work, not a full copy every time
