@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import mmap
+import multiprocessing
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,10 +17,21 @@ from strata.client import Checkpointer, RestoreError
 from strata.client.loader import load_shard
 from strata.errors import ShardCorrupt, StageError
 from strata.format import crc
-from strata.restore.staging import STAGING_PREFIX, stage_into_ram
-from strata.tiers.posix import PosixTier
+from strata.restore.staging import (
+    STAGING_PREFIX,
+    first_slot,
+    remove_stale_first_slots,
+    stage_into_ram,
+)
+from strata.tiers.posix import PosixTier, remove_quietly
 from strata.tiers.ram import RamTier
-from strata.tiers.slots import LocalSlotProvider, slot_size_for, slots_dir
+from strata.tiers.slots import (
+    LocalSlotProvider,
+    identity_of,
+    path_identity,
+    slot_size_for,
+    slots_dir,
+)
 
 pytestmark = pytest.mark.integration
 JOB = "ns.load"
@@ -290,3 +302,40 @@ def test_start_up_pruning_removes_a_killed_stagers_slot_but_not_a_live_ones(shm_
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # a stager still copying
         prune_ram(ram, JOB, keep=1)
         assert not dead.exists() and live.exists()
+
+
+def _scan_until(d: str, stop: Any) -> None:
+    while not stop.is_set():
+        remove_stale_first_slots(Path(d))
+
+
+def test_a_first_slot_being_created_is_never_taken_for_a_killed_stagers(shm_dir: Path) -> None:
+    """A first slot is never visible unlocked: another process removing killed stagers' files
+    in a loop (another staging of the rank, start-up pruning) never removes one a stager is
+    creating. (Created by name then locked, about 1 in 800 was removed in that window, and the
+    stager then named whatever file took the name meanwhile a slot of the ring.)"""
+    root = shm_dir / "ram"
+    d = slots_dir(root, JOB, 0)
+    d.mkdir(parents=True)
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    scanner = ctx.Process(target=_scan_until, args=(str(d), stop))
+    scanner.start()
+    made = lost = 0
+    try:
+        for _ in range(100_000):
+            lock = first_slot(root, JOB, 0, 4096)
+            if lock is None:  # the scanner held the name for a moment
+                continue
+            made += 1
+            if path_identity(lock.path) != identity_of(os.fstat(lock.fd)):
+                lost += 1
+            remove_quietly(lock.path)
+            lock.release()
+            if made == 20_000:
+                break
+    finally:
+        stop.set()
+        scanner.join()
+    assert made >= 1000
+    assert lost == 0

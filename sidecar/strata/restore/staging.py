@@ -25,7 +25,14 @@ from strata.tiers.base import Tier
 from strata.tiers.posix import remove_quietly
 from strata.tiers.ram import RamTier
 from strata.tiers.references import fetch_full
-from strata.tiers.slots import SlotProvider, SlotWriteLock, slot_size_for, slots_dir
+from strata.tiers.slots import (
+    SlotProvider,
+    SlotWriteLock,
+    identity_of,
+    path_identity,
+    slot_size_for,
+    slots_dir,
+)
 
 
 @dataclass
@@ -237,19 +244,28 @@ def first_slot(root: Path, job_id: str, rank: int, nbytes: int) -> SlotWriteLock
     d = slots_dir(root, job_id, rank)
     d.mkdir(parents=True, exist_ok=True)
     remove_stale_first_slots(d)
-    if any(layout.parse_slot(e.name) is not None for e in os.scandir(d)):
-        return None
+    with os.scandir(d) as it:  # closed even when any() stops early
+        if any(layout.parse_slot(e.name) is not None for e in it):
+            return None
     path = d / f"{STAGING_PREFIX}{layout.slot_name(0)}"
+    # Created unnamed, locked, then linked under its name: a file named but not yet locked
+    # looks exactly like a killed stager's, and a concurrent remove_stale_first_slots (another
+    # staging of this rank, start-up pruning) removed it; this stager then named another
+    # stager's file (created at the freed name meanwhile) a slot of the ring.
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
+        fd = os.open(d, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except OSError:  # no O_TMPFILE on this filesystem: the slot stays with the ring's provider
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, slot_size_for(nbytes))
-    except OSError:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names the unnamed file
+            os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dfd, follow_symlinks=True)
+        finally:
+            os.close(dfd)
+    except OSError:  # FileExistsError: another stager is creating it
         os.close(fd)
-        remove_quietly(path)
         return None
     return SlotWriteLock(path, fd)
 
@@ -265,10 +281,16 @@ def remove_stale_first_slots(d: Path) -> list[Path]:
     for entry in entries:
         if entry.name.startswith(STAGING_PREFIX):
             fd = _try_exclusive(Path(entry.path))
-            if fd is not None:  # no live stager holds it
-                remove_quietly(Path(entry.path))
+            if fd is None:
+                continue
+            try:
+                # Still the file locked (not removed by another scanner and a live stager's
+                # created at the name meanwhile): no live stager holds it.
+                if path_identity(Path(entry.path)) == identity_of(os.fstat(fd)):
+                    remove_quietly(Path(entry.path))
+                    removed.append(Path(entry.path))
+            finally:
                 os.close(fd)
-                removed.append(Path(entry.path))
     return removed
 
 
