@@ -339,3 +339,52 @@ def test_a_first_slot_being_created_is_never_taken_for_a_killed_stagers(shm_dir:
         scanner.join()
     assert made >= 1000
     assert lost == 0
+
+
+def test_a_flipped_byte_anywhere_in_the_shard_is_refused(shm_dir: Path) -> None:
+    """Every byte of the data object is under the one-pass check, whoever copies it: the first
+    and last byte of every storage (fast tensors, the codec's non-contiguous view, the tensors of
+    a ``state_dict()`` owner, bytes shared by two views) and of every gap between storages, read
+    through a fresh mapping and through the saver's own mapping, with 1 or 3 threads."""
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
+        assert c.save(1, _state(8))
+        c.wait()
+        m = c.ram.get_manifest(JOB, 1, 0)
+        path = c.ram.data_path(JOB, 1, 0)
+        saver_map = c.saver.mapping_of(path)
+        assert saver_map is not None
+        spots = {0, m.data_nbytes - 1}
+        end = 0
+        ordered = sorted(m.storages, key=lambda s: s.offset)
+        for se in ordered[:14] + ordered[-4:]:  # the state's own; of the 300 small ones, 4
+            if se.offset > end:
+                spots |= {end, se.offset - 1}  # a gap (padding)
+            if se.nbytes:
+                spots |= {se.offset, se.offset + se.nbytes - 1}
+            end = se.offset + se.nbytes
+        with ThreadPoolExecutor(2) as pool:
+            for i, at in enumerate(sorted(spots)):
+                with open(path, "r+b") as f:
+                    f.seek(at)
+                    b = f.read(1)
+                    f.seek(at)
+                    f.write(bytes([b[0] ^ 0x01]))
+                try:
+                    mapped = saver_map if i % 2 else None
+                    workers = 3 if i % 3 else 1
+                    with pytest.raises(ShardCorrupt, match=f"chunk {at // m.chunk_size} "):
+                        load_shard(
+                            _state(9),
+                            m,
+                            path,
+                            pool=pool,
+                            workers=workers,
+                            verify=True,
+                            mapped=mapped,
+                        )
+                finally:
+                    with open(path, "r+b") as f:
+                        f.seek(at)
+                        f.write(b)
+        out = load_shard(_state(9), m, path, pool=None, workers=1, verify=True)
+        assert out.chunk_crc32c == m.chunk_crc32c
