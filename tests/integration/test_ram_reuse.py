@@ -408,8 +408,9 @@ def test_a_view_dropped_from_the_state_with_the_same_counter_sum_is_copied(
         assert bool((tree["w"] == 1.0).all())
 
 
+@pytest.mark.parametrize("overlapped", [False, True])
 def test_every_step_holds_the_live_state_as_its_structure_changes_between_saves(
-    shm_dir: Path,
+    shm_dir: Path, overlapped: bool
 ) -> None:
     """The encode cache (layout replay, spliced manifest JSON) and RAM reuse together, as the
     state changes between saves: values in place, two same-shaped tensors swapped, a tensor
@@ -451,7 +452,13 @@ def test_every_step_holds_the_live_state_as_its_structure_changes_between_saves(
             changes[(step - 1) % len(changes)](state)
             state["step"] = step
             live = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
-            written = save(c, state, step)
+            if overlapped:  # save(blocking=False): the copy runs in the background
+                assert c.save(step, state, blocking=False)
+                assert c.wait_copied() is True, (step, c.last_error)
+                c.wait()
+                written = c.saver.last_copied_nbytes or 0
+            else:
+                written = save(c, state, step)
             assert c.failed_saves == 0, (step, c.last_error)
             m = c.ram.get_manifest(JOB, step, 0)
             left_in_place += m.data_nbytes - written
