@@ -474,3 +474,59 @@ def test_every_step_holds_the_live_state_as_its_structure_changes_between_saves(
                 else:
                     assert tree[k] == v, (step, k)
     assert left_in_place >= 8 * n * 4  # reuse was at work, not a full copy every time
+
+
+_FREED_AFTER_SAVE = """
+import sys, torch
+from pathlib import Path
+from strata.client import Checkpointer
+
+big = torch.zeros(32 << 20)  # 128 MiB, left in place by step 3
+with Checkpointer(job_id=sys.argv[2], ram_dir=Path(sys.argv[1]), rank=0, world_size=1, keep=1,
+                  allow_fresh_start=True) as c:
+    for step in (1, 2):
+        assert c.save(step, {"w": big})
+        c.wait()
+    assert c.save(3, {"w": big})
+    big.untyped_storage().resize_(0)  # freed while its confirmation reads it
+    c.wait()
+    print("failed_saves", c.failed_saves)
+    big.untyped_storage().resize_(128 << 20)
+    big.fill_(4.0)
+    assert c.save(4, {"w": big})
+    c.wait()
+    print("failed_saves", c.failed_saves)
+"""
+
+
+def test_a_storage_freed_after_save_fails_that_step_without_crashing_the_trainer(
+    shm_dir: Path,
+) -> None:
+    """save() returned, and the training loop frees a storage the save left in place
+    (``untyped_storage().resize_(0)``, or a ``resize_`` that reallocates) while the background
+    confirmation reads it: that step fails, the trainer lives on (it was killed by SIGSEGV:
+    the confirmation dereferenced the freed memory), the previous step is intact and the next
+    save commits."""
+    import subprocess
+    import sys
+
+    ram = shm_dir / "ram"
+    out = subprocess.run(
+        [sys.executable, "-c", _FREED_AFTER_SAVE, str(ram), JOB],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.split() == ["failed_saves", "1", "failed_saves", "1"]
+    c = checkpointer(ram)
+    try:
+        assert committed(c) == [2, 4]
+        m = c.ram.get_manifest(JOB, 4, 0)
+        path = c.ram.data_path(JOB, 4, 0)
+        c.ram.verify_file(path, m)
+        tree: Any = codec.load(m, bytearray(path.read_bytes()[: m.data_nbytes]))
+        assert bool((tree["w"] == 4.0).all())
+    finally:
+        c.close()

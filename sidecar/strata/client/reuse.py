@@ -34,6 +34,14 @@ Limits. A storage left in place that the training loop changes in place after ``
 returned but before its confirmation ran (~0.1 s per GiB) cannot be confirmed any more: that
 step is not committed either (skipping stays on; the version counter did its job).
 
+The live bytes are read through ``process_vm_readv`` of this process (:func:`crc_live`), not
+dereferenced: a storage freed after ``save()`` returned (``untyped_storage().resize_(0)``, a
+tensor ``resize_`` that reallocates) then fails that step instead of crashing the trainer with
+SIGSEGV in the background thread (where the system call is refused, e.g. by a seccomp profile,
+the bytes are read directly, as before). Cost: the live bytes are copied once more, through a
+256 KiB buffer, off the training thread (a 128 MiB confirmation measured 47-56 ms against 25-34
+ms reading them directly, on the loaded 2-core machine).
+
 States holding CUDA tensors are always copied in full (the Saver does not ask for a plan):
 confirming a CUDA storage needs its live bytes next to the slot's, which this module does not
 do, and no GPU was there to test it.
@@ -42,6 +50,8 @@ do, and no GPU was there to test it.
 from __future__ import annotations
 
 import bisect
+import ctypes
+import errno
 import os
 import threading
 import weakref
@@ -275,19 +285,23 @@ def confirm(
             k += 1
         if not touching:
             return real, []
-        virt, pos = 0, c0
+        virt: int | None = 0
+        pos = c0
         for off, nb, src, _i in touching:
             lo, hi = max(off, c0), min(off + nb, c1)
-            virt = crc32c_address(slot_addr + pos, lo - pos, virt)
-            virt = crc32c_address(src + (lo - off), hi - lo, virt)
+            before = crc32c_address(slot_addr + pos, lo - pos, virt or 0)
+            virt = crc_live(src + (lo - off), hi - lo, before)
+            if virt is None:
+                break  # a storage freed since the save: which one is found below
             pos = hi
-        virt = crc32c_address(slot_addr + pos, c1 - pos, virt)
+        if virt is not None:
+            virt = crc32c_address(slot_addr + pos, c1 - pos, virt)
         if virt == real:
             return real, []
         bad = []
         for off, nb, src, i in touching:
             lo, hi = max(off, c0), min(off + nb, c1)
-            if crc32c_address(src + (lo - off), hi - lo) != crc32c_address(slot_addr + lo, hi - lo):
+            if crc_live(src + (lo - off), hi - lo) != crc32c_address(slot_addr + lo, hi - lo):
                 bad.append(i)
         return real, bad
 
@@ -324,3 +338,60 @@ def _version(t: torch.Tensor) -> int:
         return int(t._version)
     except RuntimeError:  # inference-mode tensors have no version counter
         return -1
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_READV = getattr(_LIBC, "process_vm_readv", None)
+if _READV is not None:
+    _READV.restype = ctypes.c_ssize_t
+    _READV.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+_LIVE_BLOCK = 256 * 1024
+"""Bytes of live memory copied (into a per-thread buffer, then checksummed from the cache) at a
+time by :func:`crc_live`."""
+_local = threading.local()
+_direct = False
+"""True once ``process_vm_readv`` was refused: live bytes are then read directly."""
+
+
+def crc_live(addr: int, nbytes: int, value: int = 0) -> int | None:
+    """CRC32C (continuing from ``value``) of ``nbytes`` bytes of live tensor memory at
+    ``addr``, which another thread may free meanwhile; None when some of it is no longer mapped
+    (EFAULT: the storage was freed or reallocated since the save). Copies through
+    ``process_vm_readv`` of this process in :data:`_LIVE_BLOCK` blocks."""
+    global _direct
+    if nbytes <= 0:
+        return value
+    if _READV is None or _direct:
+        return crc32c_address(addr, nbytes, value)
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = ctypes.create_string_buffer(_LIVE_BLOCK)
+    local = _IoVec(ctypes.addressof(buf), 0)
+    remote = _IoVec(0, 0)
+    pid = os.getpid()
+    pos = 0
+    while pos < nbytes:
+        k = min(_LIVE_BLOCK, nbytes - pos)
+        local.len = remote.len = k
+        remote.base = addr + pos
+        got = _READV(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got != k:
+            err = ctypes.get_errno()
+            if got < 0 and err in (errno.EPERM, errno.ENOSYS, errno.EACCES):
+                _direct = True  # not allowed here: read directly from now on
+                return crc32c_address(addr + pos, nbytes - pos, value)
+            return None  # EFAULT, or a short read at an unmapped page
+        value = crc32c_address(ctypes.addressof(buf), k, value)
+        pos += k
+    return value
