@@ -461,10 +461,11 @@ class Saver:
                 handle.wait()
                 addr = dst.data_ptr()
                 del dst
+                now = _versions(enc.live)
                 changed = [
                     i
-                    for i, (t, v) in enumerate(zip(enc.live, versions, strict=True))
-                    if v >= 0 and _version(t) != v
+                    for i, (n, v) in enumerate(zip(now, versions, strict=True))
+                    if v >= 0 and n != v
                 ]
                 if changed:
                     raise StateChanged(
