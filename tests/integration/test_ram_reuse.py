@@ -491,6 +491,8 @@ with Checkpointer(job_id=sys.argv[2], ram_dir=Path(sys.argv[1]), rank=0, world_s
     big.untyped_storage().resize_(0)  # freed while its confirmation reads it
     c.wait()
     print("failed_saves", c.failed_saves)
+    # reallocated, so "changed" (not a write behind the version counter: skipping stays on)
+    assert "changed in place before" in (c.last_error or ""), c.last_error
     big.untyped_storage().resize_(128 << 20)
     big.fill_(4.0)
     assert c.save(4, {"w": big})

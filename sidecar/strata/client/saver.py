@@ -67,7 +67,7 @@ from strata.client.cuda_host import (
     holds_cuda,
 )
 from strata.client.reuse import SlotReuse
-from strata.client.unchanged import Snapshot, UnchangedTracker, storage_signatures
+from strata.client.unchanged import Signature, Snapshot, UnchangedTracker, storage_signatures
 from strata.config import Interval
 from strata.errors import ShardUnavailable, StateChanged, TierError
 from strata.format import codec, layout
@@ -306,8 +306,11 @@ class Saver:
                 del dst
             self.last_copied_nbytes = enc.data_nbytes - sum(enc.storages[i].nbytes for i in skip)
             if skip:
+                sigs = storage_signatures(enc.live, versions, enc.sources)  # as copied
                 stall = time.perf_counter() - t0
-                fut = self._bg.submit(self._confirm, step, enc, lock, versions, skip, addr, stall)
+                fut = self._bg.submit(
+                    self._confirm, step, enc, lock, versions, skip, addr, stall, sigs
+                )
                 self._inflight = fut
                 with self._pending_lock:
                     self._pending = [f for f in self._pending if not f.done()] + [fut]  # type: ignore[list-item]
@@ -382,13 +385,16 @@ class Saver:
         skip: frozenset[int],
         addr: int,
         stall: float,
+        sigs: list[Signature | None] | None = None,
     ) -> bool:
         """Background: commit a save that left ``skip`` in place once the slot's bytes are
         confirmed to be the live ones (:func:`strata.client.reuse.confirm`); releases ``lock``.
-        A mismatch makes the step a failed save and turns skipping off for those storages."""
+        A mismatch makes the step a failed save and turns skipping off for those storages.
+        ``sigs``: as read by ``save()`` (read here, a storage reallocated since looked unmoved)."""
         try:
             try:
-                sigs = storage_signatures(enc.live, versions, enc.sources)
+                if sigs is None:
+                    sigs = storage_signatures(enc.live, versions, enc.sources)
                 snap = Snapshot(list(enc.live), versions, list(enc.sources))
                 unchanged = self._unchanged.since(step, snap, sigs)
                 faults.point("save.confirm")
@@ -429,6 +435,7 @@ class Saver:
         try:
             rec = self.reuse.take(lock.identity, valid)  # before anything writes into the slot
             skip = self.reuse.plan(rec, enc, versions) if stream is None else frozenset()
+            sigs = storage_signatures(enc.live, versions, enc.sources) if skip else None
             self.last_copied_nbytes = enc.data_nbytes - sum(enc.storages[i].nbytes for i in skip)
             mm = self._mapping(lock)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
@@ -441,7 +448,7 @@ class Saver:
         self._hook_optimizers(state)
         stall = time.perf_counter() - t0
         self._inflight = self._overlap.submit(
-            self._complete, step, enc, versions, lock, handle, dst, stall, skip
+            self._complete, step, enc, versions, lock, handle, dst, stall, skip, sigs
         )
 
     def _complete(
@@ -454,6 +461,7 @@ class Saver:
         dst: torch.Tensor,
         stall: float,
         skip: frozenset[int] = frozenset(),
+        sigs: list[Signature | None] | None = None,
     ) -> bool:
         confirming: Future[bool] | None = None
         try:
@@ -476,7 +484,7 @@ class Saver:
                     )
                 if skip:  # committed by the confirmation, on the background thread (in order)
                     confirming = self._bg.submit(
-                        self._confirm, step, enc, lock, versions, skip, addr, stall
+                        self._confirm, step, enc, lock, versions, skip, addr, stall, sigs
                     )
                 else:
                     checksum = self._commit(step, enc, lock, versions)
