@@ -99,3 +99,16 @@ def test_a_state_whose_structure_changes_between_saves_is_stored_as_it_is_at_eac
     assert _same(restored, expected[len(changes)])
     # The unchanged layouts were replayed: saves 2, 3 and 10 (3 and 10 with a new RNG tensor).
     assert hits == 3
+
+
+def test_prepare_encodes_ahead_so_the_first_save_reuses_the_layout(shm_dir: Path) -> None:
+    state = {"w": [torch.randn(3) for _ in range(50)], "rng": torch.get_rng_state(), "n": 1}
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir / "ram", rank=0, world_size=1) as c:
+        c.prepare(state)
+        state["rng"] = torch.get_rng_state()  # a new tensor object of the same layout
+        expected = _snapshot(state)
+        assert c.save(1, state)
+        assert c.saver._enc_cache.layout_hits == 1
+        c.wait()
+        m, loaded = _committed(c, 1)
+        assert m.verified and _same(loaded, expected)

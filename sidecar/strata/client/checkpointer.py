@@ -389,8 +389,9 @@ class Checkpointer:
         """Allocate, pre-fault (and, for CUDA state, register) the RAM slots ``state`` needs,
         so that no save pays for them. ``restore()`` does this in the background by itself;
         call it when training starts without a restore. Raises what slot allocation raises
-        (:class:`strata.errors.TierFull`, ...) unless ``background``."""
-        enc = codec.encode(state, rank=self.rank, world_size=self.world_size)
+        (:class:`strata.errors.TierFull`, ...) unless ``background``. The state is encoded
+        with the saves' cache, so that the first save reuses its layout (issue 14, W3)."""
+        enc = self.saver.encode_ahead(state)
         cuda = holds_cuda(enc)
         if background:
             self.saver.prepare_in_background(enc.data_nbytes, cuda)

@@ -280,6 +280,15 @@ class Saver:
             replicated=replicated,
         )
 
+    def encode_ahead(self, state: Any) -> codec.EncodedState:
+        """Encode ``state`` as a save would (with the saves' cache) and serialise its layout's
+        JSON, so that the first save of that state replays the layout instead of paying the
+        per-tensor work (bench W3: ~0.3 s of a first save). Raises what encoding raises."""
+        enc = self._encode(state, None)
+        if enc.layout is not None:
+            enc.layout.json.json()
+        return enc
+
     def _save(
         self, step: int, state: Any, replicated: bool | Collection[str] | None, t0: float
     ) -> tuple[int, bool, _Checksum | None]:
