@@ -388,3 +388,39 @@ def test_a_flipped_byte_anywhere_in_the_shard_is_refused(shm_dir: Path) -> None:
                         f.write(b)
         out = load_shard(_state(9), m, path, pool=None, workers=1, verify=True)
         assert out.chunk_crc32c == m.chunk_crc32c
+
+
+def test_live_tensors_sharing_memory_that_were_saved_apart_load_and_verify(shm_dir: Path) -> None:
+    """Two saved tensors of other bytes loading into the same live memory (tied weights restored
+    from an untied checkpoint): a good shard is not called corrupt (threads checksummed what
+    another thread was overwriting: 19 of 20 loads failed verification), the last one in the
+    walk wins (as with ``Tensor.copy_``), and a flipped byte in either is still refused."""
+    g = torch.Generator().manual_seed(3)
+    n = 8 * 1024 * 1024 // 4  # 8 MiB each: several chunks, split between the threads
+    saved = {"a": torch.randn(n, generator=g), "b": torch.randn(n, generator=g)}
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
+        assert c.save(1, saved)
+        c.wait()
+        m = c.ram.get_manifest(JOB, 1, 0)
+        path = c.ram.data_path(JOB, 1, 0)
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(5):
+            tied = torch.zeros(n)
+            load_shard({"a": tied, "b": tied}, m, path, pool=pool, workers=3, verify=True)
+            assert torch.equal(tied, saved["b"])
+        for name in ("a", "b"):
+            se = m.storages[m.tensors[0 if name == "a" else 1].storage]
+            at = se.offset + se.nbytes // 2
+            with open(path, "r+b") as f:
+                f.seek(at)
+                b = f.read(1)
+                f.seek(at)
+                f.write(bytes([b[0] ^ 0x08]))
+            try:
+                tied = torch.zeros(n)
+                with pytest.raises(ShardCorrupt, match=f"chunk {at // m.chunk_size} "):
+                    load_shard({"a": tied, "b": tied}, m, path, pool=pool, workers=3, verify=True)
+            finally:
+                with open(path, "r+b") as f:
+                    f.seek(at)
+                    f.write(b)

@@ -193,15 +193,21 @@ class _OnePass:
     def _cpu_pass(self) -> None:
         if not self.pending:
             return
+        pending, self.pending = self.pending, []
+        apart = _aliased(pending)
         by_chunk: dict[int, list[tuple[int, int, int]]] = {}
-        for off, dst, n in self.pending:
+        for j, (off, dst, n) in enumerate(pending):
+            if j in apart:
+                continue  # copied below; its saved bytes are checksummed from the mapping
             while n > 0:
                 k = off // self.chunk
                 take = min(n, (k + 1) * self.chunk - off)
                 by_chunk.setdefault(k, []).append((off, dst, take))
                 off, dst, n = off + take, dst + take, n - take
-        self.pending = []
         self._run(sorted(by_chunk.items()))
+        for j in sorted(apart):  # in the walk's order: the last one wins, as with Tensor.copy_
+            off, dst, n = pending[j]
+            _move(dst, self.base + off, n)
 
     def _to_device(self) -> Callable[[], None]:
         """Enqueue the host-to-device copies (non-blocking, from the registered slot, on a side
@@ -284,6 +290,38 @@ class _OnePass:
                 if end > at:
                     value = _crc_at(base + at, end - at, value)
             self.crcs[k] = value
+
+
+def _aliased(pieces: list[tuple[int, int, int]]) -> set[int]:
+    """Indices of the ``(saved offset, live address, bytes)`` copies whose live bytes another
+    copy of OTHER saved bytes writes too (live tensors sharing memory that were saved apart,
+    e.g. tied weights restored from an untied checkpoint). Such copies must not take part in
+    the parallel pass: one thread checksums what it just wrote while another thread overwrites
+    it, so a good shard failed verification (was quarantined) almost every time. Copies of the
+    same saved bytes into the same live bytes (views of one storage on both sides) are fine."""
+    order = sorted(range(len(pieces)), key=lambda j: pieces[j][1])
+    reach = 0
+    overlap = False
+    for j in order:
+        _off, dst, n = pieces[j]
+        if n and dst < reach:
+            overlap = True
+            break
+        reach = max(reach, dst + n)
+    if not overlap:
+        return set()
+    out: set[int] = set()
+    live: list[int] = []  # copies still covering the sweep position
+    for j in order:
+        off, dst, n = pieces[j]
+        if not n:
+            continue
+        live = [i for i in live if pieces[i][1] + pieces[i][2] > dst]
+        for i in live:
+            if pieces[i][1] - pieces[i][0] != dst - off:
+                out.update((i, j))
+        live.append(j)
+    return out
 
 
 def _contiguous_stride(shape: list[int]) -> list[int]:
