@@ -321,7 +321,11 @@ def test_with_a_real_sidecar_promoting_and_staging(
         c.restore(state)
         written = run(c, state, [10, 20, 30, 40])
         total = c.ram.get_manifest(JOB, 40, 0).data_nbytes
-    assert written == [total, total, total - lora.BASE_BYTES, total - lora.BASE_BYTES]
+    # The first save into each slot copies everything; later ones leave the base in place. (A
+    # slot the sidecar still holds when a save needs one grows the ring by a fresh slot, which
+    # costs one more full copy: the exact sequence depends on timing, the end state does not.)
+    assert written[:2] == [total, total] and written[-1] == total - lora.BASE_BYTES, written
+    assert set(written) <= {total, total - lora.BASE_BYTES}, written
     side.kill()
     shutil.rmtree(shm_dir / JOB)  # a recreated pod: the RAM tier is empty
     side = sidecar_proc(config)
@@ -330,9 +334,10 @@ def test_with_a_real_sidecar_promoting_and_staging(
         res = c.restore(fresh)
         assert (res.step, res.tier) == (40, "pvc")
         assert same(lora.weights(fresh), lora.weights(state))
-        written = run(c, fresh, [50, 60, 70])
-        assert written == [total, total, total - lora.BASE_BYTES]
-        assert same(ram_weights(c, 70), lora.weights(fresh))
+        written = run(c, fresh, [50, 60, 70, 80])
+        assert written[:2] == [total, total] and written[-1] == total - lora.BASE_BYTES, written
+        assert set(written) <= {total, total - lora.BASE_BYTES}, written
+        assert same(ram_weights(c, 80), lora.weights(fresh))
     # every step the PVC kept holds the bytes saved
     for step in pvc.complete_steps(JOB):
         m = pvc.get_manifest(JOB, step, 0)
@@ -340,7 +345,7 @@ def test_with_a_real_sidecar_promoting_and_staging(
     restored = lora.make_state()
     shutil.rmtree(shm_dir / JOB)
     with Checkpointer(config, rank=0, world_size=1) as c:
-        assert c.restore(restored).step == 70
+        assert c.restore(restored).step == 80
     assert same(lora.weights(restored), lora.weights(fresh))
 
 
