@@ -6,14 +6,12 @@ Each rank has its own RAM directory (its node's tmpfs); the PVC directory is sha
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.fixtures import gloo
 
 pytestmark = pytest.mark.integration
 JOB = "ns.dist"
@@ -68,12 +66,6 @@ def save_as_ranks(ram_root: Path, steps: list[list[int]]) -> None:
                 assert c.save(s, state_for(s, rank)), c.last_error
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ranks(
     world: int,
     ram_root: Path,
@@ -82,38 +74,7 @@ def run_ranks(
 ) -> list[dict[str, Any]]:
     """Run ``world`` restoring trainer processes (gloo on loopback); their JSON results by rank."""
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs = []
-    for r in range(world):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(r),
-            WORLD_SIZE=str(world),
-            OMP_NUM_THREADS="1",
-            NO_PROXY="127.0.0.1,localhost",
-        )
-        env.pop("STRATA_CONFIG", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", _WORKER, str(ram_root), str(pvc or ""), str(out)],
-                env=env,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    errors = []
-    for r, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        if p.returncode != 0:
-            errors.append(f"rank {r} exited {p.returncode}: {err[-3000:]}")
-    assert not errors, "\n".join(errors)
+    gloo.run_ranks(_WORKER, [str(ram_root), str(pvc or ""), str(out)], world, timeout=120)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
 
 

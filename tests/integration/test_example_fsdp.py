@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_sharded import _free_port, promote
+from tests.fixtures.gloo import free_port as _free_port
+from tests.integration.test_sharded import promote
 
 pytestmark = pytest.mark.integration
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"

@@ -7,16 +7,13 @@ from the PVC alone."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from strata.tiers.posix import PosixTier
-from tests.integration.test_distributed import _free_port
+from tests.fixtures.gloo import run_ranks
 
 pytestmark = pytest.mark.integration
 JOB = "ns.lora-ranks"
@@ -92,38 +89,7 @@ dist.destroy_process_group()
 
 
 def _run(phase: str, root: Path, out: Path) -> None:
-    port = _free_port()
-    procs = []
-    for r in range(WORLD):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(r),
-            WORLD_SIZE=str(WORLD),
-            OMP_NUM_THREADS="1",
-            NO_PROXY="127.0.0.1,localhost",
-        )
-        env.pop("STRATA_CONFIG", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", _WORKER, phase, str(root), str(out)],
-                env=env,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    errors = []
-    for r, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        if p.returncode != 0:
-            errors.append(f"{phase} rank {r} exited {p.returncode}: {err[-3000:]}")
-    assert not errors, "\n".join(errors)
+    run_ranks(_WORKER, [phase, str(root), str(out)], WORLD)
 
 
 def test_two_ranks_store_incremental_copies_and_restore_each_rank_from_the_pvc_alone(

@@ -10,14 +10,12 @@ sidecar process.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.fixtures.gloo import run_ranks
 
 pytestmark = pytest.mark.integration
 JOB = "ns.sharded"
@@ -93,12 +91,6 @@ with open(os.path.join(out, f"{mode}-rank-{rank}.json"), "w") as f:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(
     mode: str,
     spec: str,
@@ -130,40 +122,12 @@ def run_script(
     """Run ``script`` as ``world`` gloo ranks on loopback (argv: ``args``, then ``out`` when
     ``mode`` is None); each writes ``<mode or args[0]>-rank-<r>.json`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs = []
     argv = list(args) if mode is not None else [*args, str(out)]
     name = mode or args[0]
-    for r in range(world):
-        penv = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(r),
-            WORLD_SIZE=str(world),
-            OMP_NUM_THREADS="1",
-            NO_PROXY="127.0.0.1,localhost",
-            **(env or {}),
-        )
-        penv.pop("STRATA_CONFIG", None)
-        if die is not None:
-            penv["STRATA_TEST_DIE"] = str(die)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", script, *argv], env=penv, stderr=subprocess.PIPE, text=True
-            )
-        )
-    errors = []
-    for r, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        if p.returncode != 0 and r != die:
-            errors.append(f"rank {r} exited {p.returncode}: {err[-3000:]}")
-    assert not errors, "\n".join(errors)
+    extra = dict(env or {})
+    if die is not None:
+        extra["STRATA_TEST_DIE"] = str(die)
+    run_ranks(script, argv, world, env=extra, may_die=die, timeout=600)
     return [
         json.loads((out / f"{name}-rank-{r}.json").read_text())
         for r in range(world)
