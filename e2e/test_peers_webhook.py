@@ -48,25 +48,32 @@ def _pod(api_client: client.ApiClient, namespace: str, name: str) -> dict[str, A
     return data
 
 
+def _peers_policy_and_jobset(api_client: client.ApiClient, namespace: str) -> dict[str, Any]:
+    """Policy ``fast`` with ``spec.peers`` (one replica) and the JobSet ``llm`` (2 x 2) whose
+    pods the tests create; returns the policy as created."""
+    custom = client.CustomObjectsApi(api_client)
+    policy = policy_obj(namespace=namespace, pvc=None)
+    policy["spec"]["peers"] = {"mode": "replicate", "copies": 1}
+    created: dict[str, Any] = custom.create_namespaced_custom_object(
+        "strata.dev", "v1alpha1", namespace, "checkpointpolicies", policy
+    )
+    custom.create_namespaced_custom_object(
+        "jobset.x-k8s.io",
+        "v1alpha2",
+        namespace,
+        "jobsets",
+        jobset_obj("llm", replicas=2, completions=2),
+    )
+    return created
+
+
 def test_jobset_pod_gets_peer_config_and_the_job_secret_exists(
     operator_running: OperatorProcess,
     api: client.ApiClient,
     k8s_namespace: str,
     workload_crds: dict[str, str],
 ) -> None:
-    custom = client.CustomObjectsApi(api)
-    policy = policy_obj(namespace=k8s_namespace, pvc=None)
-    policy["spec"]["peers"] = {"mode": "replicate", "copies": 1}
-    created_policy = custom.create_namespaced_custom_object(
-        "strata.dev", "v1alpha1", k8s_namespace, "checkpointpolicies", policy
-    )
-    custom.create_namespaced_custom_object(
-        "jobset.x-k8s.io",
-        "v1alpha2",
-        k8s_namespace,
-        "jobsets",
-        jobset_obj("llm", replicas=2, completions=2),
-    )
+    created_policy = _peers_policy_and_jobset(api, k8s_namespace)
     pod = _pod(api, k8s_namespace, "llm-workers-0-0-aaaaa")
     sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == SIDECAR_NAME)
     value = next(e["value"] for e in sidecar["env"] if e["name"] == "STRATA_CONFIG")
@@ -109,19 +116,7 @@ def test_dry_run_pod_is_injected_without_creating_the_peer_secret(
     """``kubectl create --dry-run=server`` of a peers pod: the webhook answers with the full
     patch (the apiserver calls it because the configuration says ``NoneOnDryRun``) but makes no
     Secret; the first real pod of the job makes it."""
-    custom = client.CustomObjectsApi(api)
-    policy = policy_obj(namespace=k8s_namespace, pvc=None)
-    policy["spec"]["peers"] = {"mode": "replicate", "copies": 1}
-    custom.create_namespaced_custom_object(
-        "strata.dev", "v1alpha1", k8s_namespace, "checkpointpolicies", policy
-    )
-    custom.create_namespaced_custom_object(
-        "jobset.x-k8s.io",
-        "v1alpha2",
-        k8s_namespace,
-        "jobsets",
-        jobset_obj("llm", replicas=2, completions=2),
-    )
+    _peers_policy_and_jobset(api, k8s_namespace)
     core = client.CoreV1Api(api)
     pod = (
         PodBuilder("llm-workers-0-0-dryrun", k8s_namespace)

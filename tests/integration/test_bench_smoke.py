@@ -31,6 +31,14 @@ REQUIRED_RATIOS = (
 )
 
 
+def _bench_env() -> dict[str, str]:
+    """The caller's environment with the repository first on PYTHONPATH (for ``bench``), then
+    whatever the caller had (a worktree's sidecar/ and operator/ must win over an editable
+    install elsewhere)."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def test_bench_smoke_writes_ratios_json_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "results"
     proc = subprocess.run(
@@ -47,12 +55,7 @@ def test_bench_smoke_writes_ratios_json_and_plot(tmp_path: Path) -> None:
             str(tmp_path),
         ],
         cwd=REPO,
-        # The repository first (for `bench`), then whatever the caller had (a worktree's
-        # sidecar/ and operator/ must win over an editable install elsewhere).
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        },
+        env=_bench_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -85,10 +88,7 @@ def test_bench_save_only_runs_the_save_groups_and_measures_copies_not_reuse(
             *("--out", str(out), "--name", "save", "--disk-dir", str(tmp_path)),
         ],
         cwd=REPO,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        },
+        env=_bench_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -132,10 +132,7 @@ def test_bench_archive_weights_only_writes_a_third_of_a_full_finetune(tmp_path: 
     proc = subprocess.run(
         [*argv, "--out", str(out)],
         cwd=REPO,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        },
+        env=_bench_env(),
         capture_output=True,
         text=True,
         timeout=300,

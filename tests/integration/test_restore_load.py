@@ -17,6 +17,7 @@ from strata.client import Checkpointer, RestoreError
 from strata.client.loader import load_shard
 from strata.errors import ShardCorrupt, StageError
 from strata.format import crc
+from strata.format.manifest import Manifest
 from strata.restore.staging import (
     STAGING_PREFIX,
     first_slot,
@@ -69,6 +70,15 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert torch.equal(a["model"].bias, b["model"].bias)
 
 
+def _saved_shard(shm_dir: Path, state: dict[str, Any]) -> tuple[Manifest, Path]:
+    """Save ``state`` as step 1 of rank 0 into the RAM tier at ``shm_dir`` (checksummed); its
+    manifest and data file."""
+    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
+        assert c.save(1, state)
+        c.wait()
+        return c.ram.get_manifest(JOB, 1, 0), c.ram.data_path(JOB, 1, 0)
+
+
 def test_one_pass_restores_every_byte_into_the_live_tensors(shm_dir: Path) -> None:
     saved = _state(1)
     with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1, copy_threads=3) as c:
@@ -89,11 +99,7 @@ def test_one_pass_restores_every_byte_into_the_live_tensors(shm_dir: Path) -> No
 
 def test_the_pass_computes_the_manifest_crcs_and_copies_by_bytes(shm_dir: Path) -> None:
     saved = _state(3)
-    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
-        assert c.save(1, saved)
-        c.wait()
-        m = c.ram.get_manifest(JOB, 1, 0)
-        path = c.ram.data_path(JOB, 1, 0)
+    m, path = _saved_shard(shm_dir, saved)
     live = _state(4)
     with ThreadPoolExecutor(3) as pool:
         out = load_shard(live, m, path, pool=pool, workers=4, verify=True)
@@ -213,11 +219,7 @@ def test_a_corrupt_chunk_is_named_through_the_savers_mapping_too(shm_dir: Path) 
 
 def test_a_shard_its_stager_verified_is_copied_without_a_checksum_pass(shm_dir: Path) -> None:
     saved = _state(16)
-    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
-        assert c.save(1, saved)
-        c.wait()
-        m = c.ram.get_manifest(JOB, 1, 0)
-        path = c.ram.data_path(JOB, 1, 0)
+    m, path = _saved_shard(shm_dir, saved)
     live = _state(17)
     with ThreadPoolExecutor(2) as pool:
         out = load_shard(live, m, path, pool=pool, workers=3, verify=False, checksum=False)
@@ -398,11 +400,7 @@ def test_live_tensors_sharing_memory_that_were_saved_apart_load_and_verify(shm_d
     g = torch.Generator().manual_seed(3)
     n = 8 * 1024 * 1024 // 4  # 8 MiB each: several chunks, split between the threads
     saved = {"a": torch.randn(n, generator=g), "b": torch.randn(n, generator=g)}
-    with Checkpointer(job_id=JOB, ram_dir=shm_dir, rank=0, world_size=1) as c:
-        assert c.save(1, saved)
-        c.wait()
-        m = c.ram.get_manifest(JOB, 1, 0)
-        path = c.ram.data_path(JOB, 1, 0)
+    m, path = _saved_shard(shm_dir, saved)
     with ThreadPoolExecutor(2) as pool:
         for _ in range(5):
             tied = torch.zeros(n)
