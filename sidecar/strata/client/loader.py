@@ -375,11 +375,11 @@ def load_shard(
             raise ShardCorrupt(f"{path} holds {size} bytes, the manifest records {n} (truncated)")
         # The codec's own copies (views, other devices) need a torch tensor over the bytes, and
         # torch refuses read-only buffers: a private writable mapping, faulted only where read.
-        private = mmap.mmap(
-            f.fileno(), n, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
-        try:
-            with _shared_view(f.fileno(), n, mapped) as base:
+        with _shared_view(f.fileno(), n, mapped) as base:
+            private = mmap.mmap(
+                f.fileno(), n, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+            try:
                 one = _OnePass(manifest, base, pool, workers, device_source, checksum)
                 tree = codec.load_into(
                     state,
@@ -391,9 +391,11 @@ def load_shard(
                     resolve=resolve,
                 )
                 crcs, whole = one.finish()
-        finally:
-            with contextlib.suppress(BufferError):  # a tensor still views it: the GC unmaps it
-                private.close()
+            finally:
+                # Closed before the shared view is unmapped: that unmap (on a thread of its own)
+                # holds the process's mmap lock for ~25 ms, which this munmap waited for.
+                with contextlib.suppress(BufferError):  # a tensor still views it: the GC unmaps
+                    private.close()
     if verify:
         bad = crc.first_bad_chunk(crcs, manifest.chunk_crc32c or [])
         if bad is not None or whole != manifest.crc32c:

@@ -21,9 +21,10 @@ after removing only the partial files this call wrote. Committed steps are never
 failed write.
 
 Readers: :meth:`list_steps` (manifest present = committed; data without manifest = partial),
-:meth:`get_manifest`, :meth:`fetch_shard` (chunked copy that checks every chunk's CRC32C as it
-goes), :meth:`quarantine` (renames ``rank-R.manifest`` and ``rank-R.data`` to
-``<name>.quarantined-<ts>`` plus a ``.reason`` note: never served again, kept for inspection).
+:meth:`get_manifest`, :meth:`fetch_shard` (:func:`copy_checked`, as promotion: every chunk's
+CRC32C checked as it is copied), :meth:`quarantine` (renames ``rank-R.manifest``
+and ``rank-R.data`` to ``<name>.quarantined-<ts>`` plus a ``.reason`` note: never served again,
+kept for inspection).
 Retention: :meth:`delete_step` removes manifests first (un-commit), then data.
 """
 
@@ -303,29 +304,20 @@ class PosixTier(PosixRecords, Tier):
         except OSError as exc:
             raise TierError(f"cannot open {dst} for writing ({exc.strerror})") from exc
         try:
-            if not verify:
+            if not verify or m.crc32c is None or m.chunk_crc32c is None:
+                # fetch_shard refuses a shard without checksums when verifying
                 copy_range(sfd, dfd, m.data_nbytes)
                 return
-            buf = bytearray(min(m.chunk_size, max(m.data_nbytes, 1)))
-            view = memoryview(buf)
-            expected = m.chunk_crc32c or []
-            crcs: list[int] = []
-            for i, off in enumerate(range(0, m.data_nbytes, m.chunk_size)):
-                n = min(m.chunk_size, m.data_nbytes - off)
-                piece = view[:n]
-                got = os.preadv(sfd, [piece], off)
-                if got != n:
-                    raise ShardCorrupt(f"{src}: short read at byte {off}; quarantine it")
-                c = crc.crc32c(piece)
-                if i >= len(expected) or c != expected[i]:
-                    raise ShardCorrupt(
-                        f"{src}: CRC32C mismatch in chunk {i} (from byte {off}) against its "
-                        "manifest; the copy is corrupt, quarantine it and restore from another tier"
-                    )
-                crcs.append(c)
-                os.pwrite(dfd, piece, off)
-            if crcs and crc.combine_chunks(crcs, m.data_nbytes, m.chunk_size) != m.crc32c:
-                raise ShardCorrupt(f"{src}: whole-object CRC32C mismatch; quarantine it")
+            copy_checked(
+                sfd,
+                dfd,
+                m.data_nbytes,
+                m.chunk_size,
+                m.chunk_crc32c,
+                m.crc32c,
+                src_name=str(src),
+                writeback=False,
+            )
         except OSError as exc:
             if exc.errno in _FULL:
                 raise TierFull(f"no space left writing {dst}; free space in its tier") from exc
