@@ -98,6 +98,8 @@ __all__ = [
 ]
 TensorSink = Callable[[TensorEntry, StorageEntry, torch.Tensor], bool]
 """See :func:`load_into`."""
+CheckedEntry = tuple[TensorEntry, StorageEntry, torch.dtype]
+"""A tensor entry checked against its storage and the data object, its storage, its dtype."""
 
 
 def _np() -> Any:
@@ -623,9 +625,22 @@ class _Decoder:
         self._np = _np()
         self.sink: TensorSink | None = None
         self.flush: Callable[[], None] | None = None
+        self.checked: dict[int, CheckedEntry] = {}
+        """Tensor entries already checked by :meth:`_check_entry`, by index."""
 
     # tensors -----------------------------------------------------------------------------------
-    def _check_entry(self, idx: int) -> tuple[TensorEntry, StorageEntry, torch.dtype]:
+    def _check_entry(self, idx: int) -> CheckedEntry:
+        """Tensor entry ``idx``, its storage entry and dtype, checked to lie inside the data
+        object (once per entry: the fit check and the load share :attr:`checked`). Raises
+        :class:`CodecError`."""
+        hit = self.checked.get(idx)
+        if hit is not None:
+            return hit
+        out = self._check_entry_once(idx)
+        self.checked[idx] = out
+        return out
+
+    def _check_entry_once(self, idx: int) -> CheckedEntry:
         if not 0 <= idx < len(self.m.tensors):
             raise CodecError(
                 f"{self.where}: tree refers to tensor {idx}, manifest has {len(self.m.tensors)}"
@@ -838,8 +853,8 @@ def load_into(
     """
     from strata.format.fit import check_fits
 
-    check_fits(state, manifest, where)
     dec = _Decoder(manifest, data, where, resolve)
+    check_fits(state, manifest, where, checked=dec.checked)
     dec.sink, dec.flush = sink, flush
     with torch.no_grad():
         return _into(dec, manifest.tree, state, "state")

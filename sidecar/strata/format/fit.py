@@ -35,7 +35,9 @@ MAX_LISTED = 8
 class _Keys(codec._Decoder):
     """A decoder for the tree alone (dict keys, entry checks); never touches tensor data."""
 
-    def __init__(self, manifest: Manifest, where: str) -> None:
+    def __init__(
+        self, manifest: Manifest, where: str, checked: dict[int, codec.CheckedEntry] | None
+    ) -> None:
         # No data buffer: only the tree and the manifest's entries are consulted.
         self.m = manifest
         self.where = where
@@ -45,13 +47,22 @@ class _Keys(codec._Decoder):
         self._np = codec._np()
         self.sink = None
         self.flush = None
+        self.checked = {} if checked is None else checked
 
 
-def check_fits(state: Any, manifest: Manifest, where: str) -> None:
+def check_fits(
+    state: Any,
+    manifest: Manifest,
+    where: str,
+    *,
+    checked: dict[int, codec.CheckedEntry] | None = None,
+) -> None:
     """Raise :class:`CodecError` (naming ``where``, each differing path and what differs) when
     the checkpoint described by ``manifest`` cannot be loaded into ``state`` in place; change
-    nothing. See the module docstring for the rules."""
-    dec = _Keys(manifest, where)
+    nothing. See the module docstring for the rules. ``checked``: the loading decoder's cache of
+    checked tensor entries (:attr:`strata.format.codec._Decoder.checked`), filled here so the
+    load does not check them again."""
+    dec = _Keys(manifest, where, checked)
     diffs: list[str] = []
     _fit(dec, manifest.tree, state, "state", diffs, strict=False)
     if diffs:
