@@ -353,6 +353,64 @@ def test_a_ram_hit_through_the_sidecar_is_verified_once_by_the_trainers_load(
     )
 
 
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "flipped-byte"])
+def test_a_deferred_ram_hit_loads_and_verifies_with_the_sidecar_killed_after_its_reply(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start, corrupt: bool
+) -> None:
+    """Issue 14, one-pass RAM hit: the sidecar answers the stage without verifying the copy and
+    is SIGKILLed right after its reply, before the trainer's load. The load needs nothing more
+    from it: an intact copy restores bit for bit from RAM; a corrupt one is still caught by the
+    load, quarantined, and the restore re-plans through the direct tiers (the sidecar being
+    gone) and restores from the PVC."""
+    torch = pytest.importorskip("torch")
+    from strata.client import Checkpointer
+
+    pvc_root = tmp_path / "pvc"
+    config = config_for(shm_dir, pvc_root)
+    side = sidecar_proc(config)
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(3 * 1024 * 1024 // 4 + 3, generator=g), "step": 60}
+    with Checkpointer(config, rank=0, world_size=1) as ckpt:
+        assert ckpt.save(60, state)
+        ckpt.wait()
+    wait_until(lambda: 60 in PosixTier(pvc_root).complete_steps(JOB), what="step 60 on the PVC")
+    if corrupt:
+        flip_byte(RamTier(shm_dir).data_path(JOB, 60, 0), 1024 * 1024 + 5)
+    target = {"w": torch.zeros_like(state["w"]), "step": -1}
+    replies: list[Any] = []
+    with Checkpointer(config, rank=0, world_size=1) as ckpt:
+        stager = ckpt.stager
+        assert isinstance(getattr(stager, "sidecar", None), SidecarClient)
+        stager.wait_seconds = 0.5  # type: ignore[attr-defined]
+        served = stager.sidecar.stage  # type: ignore[attr-defined]
+
+        def stage_then_kill(*args: Any, **kwargs: Any) -> Any:
+            res = served(*args, **kwargs)
+            replies.append(res)
+            side.kill()  # after the reply, before the trainer's load
+            return res
+
+        stager.sidecar.stage = stage_then_kill  # type: ignore[attr-defined]
+        result = ckpt.restore(target)
+    assert side.proc.poll() is not None
+    assert [(r.tier, r.deferred_verify) for r in replies] == [("ram", True)]
+    assert torch.equal(target["w"], state["w"]) and target["step"] == 60
+    if corrupt:
+        assert result.step == 60 and result.tier == "pvc"
+        assert any(n.startswith("ram:") and "quarantined" in n for n in result.skipped)
+        assert any("read the tiers directly" in n for n in result.skipped)
+        ram = RamTier(shm_dir)
+        step_dir = ram.data_path(JOB, 60, 0).parent
+        assert list(step_dir.glob("rank-00000.manifest.quarantined-*"))  # the record stays
+        # staged again from the PVC: RAM now holds the good copy for the next restore
+        assert (
+            ram.get_manifest(JOB, 60, 0).crc32c
+            == PosixTier(pvc_root).get_manifest(JOB, 60, 0).crc32c
+        )
+    else:
+        assert result.step == 60 and result.tier == "ram"
+
+
 def test_c06_no_tier_holds_a_step_is_a_clear_error_never_a_silent_step_0(
     shm_dir: Path, tmp_path: Path, sidecar_proc: Start
 ) -> None:
