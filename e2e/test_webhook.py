@@ -527,9 +527,11 @@ def _policy_reads(op: OperatorProcess, source: str) -> float:
     return op.metric("strata_admission_policy_reads_total", source=source)
 
 
-def _dry_run_pod(api_client: client.ApiClient, ns: str, name: str) -> dict[str, Any]:
+def _dry_run_pod(
+    api_client: client.ApiClient, ns: str, name: str, policy: str = "fast"
+) -> dict[str, Any]:
     """A pod created with ``dryRun=All``: admitted (webhook included) but not stored."""
-    pod = PodBuilder(name, ns).policy("fast").container("t").obj()
+    pod = PodBuilder(name, ns).policy(policy).container("t").obj()
     answered = client.CoreV1Api(api_client).create_namespaced_pod(
         ns, pod, dry_run="All", _preload_content=False
     )
@@ -585,6 +587,56 @@ def test_admission_reads_the_policy_from_the_watch_and_follows_updates_and_delet
             break
         assert time.monotonic() < deadline, "the webhook kept admitting with a deleted policy"
         time.sleep(0.2)
+
+
+def test_the_policy_cache_starts_over_after_an_operator_restart(
+    strata_operator: OperatorProcess,
+    operator_running: OperatorProcess,
+    api: client.ApiClient,
+    k8s_namespace: str,
+) -> None:
+    """The webhook's copy of the policies lives in the operator process. A policy changed and
+    one deleted while the operator was down are served as they are now from the first pod after
+    its restart (a miss before the watch's initial listing falls back to a GET), never as they
+    were; once the listing has filled the cache, pods are admitted without a GET."""
+    ns = k8s_namespace
+    create_policy(api, ns, pvc=None, image="strata:one")
+    create_policy(api, ns, name="gone", pvc=None, image="strata:gone")
+    for name in ("fast", "gone"):
+        deadline = time.monotonic() + 30
+        while (sidecar_of(_dry_run_pod(api, ns, "probe", name)) or {}).get("image") is None:
+            assert time.monotonic() < deadline, f"policy {name} never admitted a pod"
+            time.sleep(0.2)
+    strata_operator.stop()
+    policies = client.CustomObjectsApi(api)
+    policies.patch_namespaced_custom_object(
+        "strata.dev",
+        "v1alpha1",
+        ns,
+        "checkpointpolicies",
+        "fast",
+        {"spec": {"sidecar": {"image": "strata:two"}}},
+    )
+    policies.delete_namespaced_custom_object(
+        "strata.dev", "v1alpha1", ns, "checkpointpolicies", "gone"
+    )
+    strata_operator.start(strata_operator.args)
+
+    assert (sidecar_of(_dry_run_pod(api, ns, "first")) or {}).get("image") == "strata:two"
+    with pytest.raises(ApiException) as denied:
+        _dry_run_pod(api, ns, "orphan", "gone")
+    assert denied.value.status == 403 and "not found" in denial(denied.value)
+
+    deadline = time.monotonic() + 30
+    while _policy_reads(strata_operator, "cache") == 0:  # the listing reached the cache
+        assert time.monotonic() < deadline, "the restarted operator's cache never filled"
+        assert (sidecar_of(_dry_run_pod(api, ns, "probe")) or {}).get("image") == "strata:two"
+        time.sleep(0.2)
+    gets = _policy_reads(strata_operator, "api")
+    for i in range(3):
+        pod = create_pod(api, ns, PodBuilder(f"after-{i}", ns).policy("fast").container("t").obj())
+        assert (sidecar_of(pod) or {}).get("image") == "strata:two"
+    assert _policy_reads(strata_operator, "api") == gets, "a cached policy was read with a GET"
 
 
 # --- issue 15: property: what the model accepts, the apiserver accepts (policy AND patched pod)
