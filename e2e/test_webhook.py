@@ -527,6 +527,17 @@ def _policy_reads(op: OperatorProcess, source: str) -> float:
     return op.metric("strata_admission_policy_reads_total", source=source)
 
 
+def _set_sidecar_image(api_client: client.ApiClient, ns: str, policy: str, image: str) -> None:
+    client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
+        "strata.dev",
+        "v1alpha1",
+        ns,
+        "checkpointpolicies",
+        policy,
+        {"spec": {"sidecar": {"image": image}}},
+    )
+
+
 def _dry_run_pod(
     api_client: client.ApiClient, ns: str, name: str, policy: str = "fast"
 ) -> dict[str, Any]:
@@ -562,14 +573,7 @@ def test_admission_reads_the_policy_from_the_watch_and_follows_updates_and_delet
     assert _policy_reads(operator_running, "api") == gets, "a cached policy was read with a GET"
     assert _policy_reads(operator_running, "cache") - cached == 3
 
-    client.CustomObjectsApi(api).patch_namespaced_custom_object(
-        "strata.dev",
-        "v1alpha1",
-        ns,
-        "checkpointpolicies",
-        "fast",
-        {"spec": {"sidecar": {"image": "strata:two"}}},
-    )
+    _set_sidecar_image(api, ns, "fast", "strata:two")
     deadline = time.monotonic() + 30
     while (sidecar_of(_dry_run_pod(api, ns, "probe")) or {}).get("image") != "strata:two":
         assert time.monotonic() < deadline, "the webhook kept the policy's old spec"
@@ -608,16 +612,8 @@ def test_the_policy_cache_starts_over_after_an_operator_restart(
             assert time.monotonic() < deadline, f"policy {name} never admitted a pod"
             time.sleep(0.2)
     strata_operator.stop()
-    policies = client.CustomObjectsApi(api)
-    policies.patch_namespaced_custom_object(
-        "strata.dev",
-        "v1alpha1",
-        ns,
-        "checkpointpolicies",
-        "fast",
-        {"spec": {"sidecar": {"image": "strata:two"}}},
-    )
-    policies.delete_namespaced_custom_object(
+    _set_sidecar_image(api, ns, "fast", "strata:two")
+    client.CustomObjectsApi(api).delete_namespaced_custom_object(
         "strata.dev", "v1alpha1", ns, "checkpointpolicies", "gone"
     )
     strata_operator.start(strata_operator.args)
