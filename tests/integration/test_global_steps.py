@@ -263,6 +263,11 @@ def test_world_size_changes_both_directions_on_the_same_ram_and_pvc_paths(
     assert not live(tier, 700) and not live(tier, 300) and live(tier, 100)
 
 
+def _committed_ranks(tier: GcsTier, step: int) -> frozenset[int]:
+    listing = tier.list_steps(JOB).get(step)
+    return frozenset() if listing is None else listing.committed_ranks
+
+
 def test_replayed_run_with_other_bytes_never_mixes_incarnations_on_gcs(
     shm_dir: Path, sidecar_proc: Start, gcs_emulator: GcsEmulator, gcs_bucket: str
 ) -> None:
@@ -277,8 +282,10 @@ def test_replayed_run_with_other_bytes_never_mixes_incarnations_on_gcs(
     wait_until(lambda: committed(gcs, 10) is not None, "step 10 committed on GCS")
     cl.kill_sidecar(1)  # rank 1's upload of step 20 never happens
     cl.train(2, [{"restore": 1}, {"save": 20, "seed": 1}])
-    wait_until(lambda: 20 in gcs.list_steps(JOB), "rank 0's shard of step 20 on GCS")
-    assert gcs.list_steps(JOB)[20].committed_ranks == frozenset({0})
+    # A step is listed from its first object (the data goes up before the manifest): wait for
+    # rank 0's commit, not for the listing (asserting right after the listing raced the upload).
+    wait_until(lambda: 0 in _committed_ranks(gcs, 20), "rank 0's shard of step 20 committed on GCS")
+    assert _committed_ranks(gcs, 20) == frozenset({0})
     cl.lose_node(0)
     cl.lose_node(1)
 
