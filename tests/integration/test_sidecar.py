@@ -129,7 +129,10 @@ def test_start_up_prefetches_the_newest_durable_step_for_ranks_the_ram_tier_know
     m = write_ram_shard(staging, JOB, 50, 0, payload(50))
     pvc.put_shard(JOB, 50, 0, staging.data_path(JOB, 50, 0), m)
     side = sidecar_proc(config_for(shm_dir, tmp_path / "pvc"))
-    wait_until(lambda: 50 in ram.list_steps(JOB), what="step 50 prefetched into RAM")
+    wait_until(  # committed, not merely listed (the data is linked before the manifest)
+        lambda: 0 in getattr(ram.list_steps(JOB).get(50), "committed_ranks", ()),
+        what="step 50 prefetched into RAM",
+    )
     assert committed_bytes(ram, 50) == payload(50)
     wait_until(lambda: any(e.get("event") == "prefetched" for e in side.log_events()), what="log")
 
