@@ -130,8 +130,7 @@ def test_start_up_prefetches_the_newest_durable_step_for_ranks_the_ram_tier_know
     pvc.put_shard(JOB, 50, 0, staging.data_path(JOB, 50, 0), m)
     side = sidecar_proc(config_for(shm_dir, tmp_path / "pvc"))
     wait_until(  # committed, not merely listed (the data is linked before the manifest)
-        lambda: 0 in getattr(ram.list_steps(JOB).get(50), "committed_ranks", ()),
-        what="step 50 prefetched into RAM",
+        lambda: 50 in ram.complete_steps(JOB), what="step 50 prefetched into RAM"
     )
     assert committed_bytes(ram, 50) == payload(50)
     wait_until(lambda: any(e.get("event") == "prefetched" for e in side.log_events()), what="log")
