@@ -228,6 +228,12 @@ def test_c04_staging_falls_back_past_corrupt_copies_and_quarantines_them(
     side = sidecar_proc(config)
     sidecar_api = connect(config.socket)
     assert sidecar_api is not None
+    # The start-up prefetch (a background stager of its own) must not race the stagings below:
+    # seeing RAM without step 100 mid-way, it re-staged it after a byte was flipped.
+    wait_until(
+        lambda: any(e.get("event") == "prefetch-done" for e in side.log_events()),
+        what="the start-up prefetch to finish",
+    )
 
     # 1. RAM hit.
     res = sidecar_api.stage(JOB, 100, 0, 1)

@@ -294,10 +294,16 @@ class Sidecar:
                 log.exception("building a report failed")
 
     def _prefetch_quietly(self) -> None:
+        staged: list[tuple[int, int, str]] = []
         try:
-            self.prefetch()
+            staged = self.prefetch()
         except Exception:
             log.exception("prefetch failed; the trainer's restore stages on demand")
+        log.info(
+            "start-up prefetch done (%d shard(s) staged into RAM)",
+            len(staged),
+            extra={"event": "prefetch-done", "staged": len(staged)},
+        )
 
     def start_background(self) -> None:
         t = threading.Thread(
