@@ -60,7 +60,7 @@ from e2e.operator_fixtures import OPERATOR_NAMESPACE, OperatorProcess, apply_crd
 from e2e.workloads import JobSetController, locate_jobset
 from strata.config import ReportConfig
 from strata.reports import REPORT_PATH, SidecarReport, TierState
-from strata_operator.mutation import POLICY_LABEL, TOKEN_VOLUME
+from strata_operator.admission.mutation import POLICY_LABEL, TOKEN_VOLUME
 
 NAMESPACE = "scale"
 POLICY = "fast"

@@ -31,7 +31,7 @@ from tests.fixtures.pods import jobset_obj, pytorchjob_obj
 from e2e.cluster import LocalCluster
 from e2e.local_kubelet import LocalKubelet, LocalPod, free_port
 from e2e.operator_fixtures import OperatorProcess
-from strata_operator.mutation import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_NAME
+from strata_operator.admission.mutation import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_NAME
 
 pytestmark = pytest.mark.e2e
 

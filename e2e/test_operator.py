@@ -30,8 +30,8 @@ from tests.fixtures.policies import InvalidCase, PolicyBuilder, invalid_policies
 
 from e2e.cluster import LOOPBACK_NO_PROXY, ClusterError, LocalCluster, free_port
 from strata_operator import api, crdgen
-from strata_operator import conditions as c
 from strata_operator import constants as k
+from strata_operator.api import conditions as c
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,8 @@ from tests.fixtures.pods import PodBuilder, jobset_obj, policy_obj
 from e2e.cluster import LocalCluster
 from e2e.operator_fixtures import OperatorProcess
 from strata.config import StrataConfig
+from strata_operator.admission.peers import PEER_TLS_MOUNT, job_uri, peer_secret_name
 from strata_operator.constants import PEERS_TLS_VOLUME, SIDECAR_NAME
-from strata_operator.peers import PEER_TLS_MOUNT, job_uri, peer_secret_name
 
 pytestmark = pytest.mark.e2e
 

@@ -25,14 +25,14 @@ from tests.fixtures.pods import PodBuilder, job_obj, jobset_obj, policy_obj, pyt
 from e2e.cluster import LocalCluster
 from e2e.operator_fixtures import OPERATOR_NAMESPACE, OperatorProcess, ensure_namespace
 from strata.config import StrataConfig
-from strata_operator import validation
-from strata_operator.mutation import (
+from strata_operator.admission.mutation import (
     INJECTED_ANNOTATION,
     POLICY_LABEL,
     RANK_LABELS,
     SIDECAR_NAME,
 )
-from strata_operator.reconcile import InvalidSpec, parse_spec
+from strata_operator.api import validation
+from strata_operator.reconcile.policy import InvalidSpec, parse_spec
 
 pytestmark = pytest.mark.e2e
 

@@ -49,7 +49,7 @@ from e2e.workloads import (
     locate_jobset,
     locate_training_operator,
 )
-from strata_operator.mutation import POLICY_LABEL, SIDECAR_NAME
+from strata_operator.admission.mutation import POLICY_LABEL, SIDECAR_NAME
 
 pytestmark = pytest.mark.e2e
 

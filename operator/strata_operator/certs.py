@@ -151,7 +151,7 @@ def self_signed_ca(
     """A fresh P-256 CA (path length 0, cert/CRL signing), valid from ``start`` for ``validity``.
 
     ``common_name`` is cut to the 64 characters X.509 allows. Used for the webhook's serving CA
-    and each job's peer CA (:mod:`strata_operator.peers`)."""
+    and each job's peer CA (:mod:`strata_operator.admission.peers`)."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64])])
     ca_cert = (

@@ -34,7 +34,7 @@ import yaml
 from pydantic import BaseModel
 
 from strata_operator import api
-from strata_operator.validation import MAX_POLICY_NAME, POLICY_NAME_MESSAGE
+from strata_operator.api.validation import MAX_POLICY_NAME, POLICY_NAME_MESSAGE
 
 CRD_NAME = f"{api.PLURAL}.{api.GROUP}"
 FILE_NAME = f"{CRD_NAME}.yaml"
@@ -78,7 +78,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
 
 
 class SchemaError(ValueError):
-    """The models produce something that cannot become a structural schema (a bug in api.py)."""
+    """The models produce something that cannot become a structural schema (a bug in api/models.py)."""
 
 
 def _strip_empty(value: Any) -> Any:
@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.writelines(diff)
         sys.stderr.write(
             f"\n{args.check / FILE_NAME} is stale: it differs from what the models in "
-            "operator/strata_operator/api.py generate. Run `make crds` and commit the result.\n"
+            "operator/strata_operator/api/models.py generate. Run `make crds` and commit the result.\n"
         )
         return 1
     print(f"{args.check / FILE_NAME} is up to date")

@@ -40,7 +40,7 @@ from strata.peers.transport import (
 from strata.restore import collect_inventory, plan_restore, stage_shard
 from strata.tiers.posix import PosixTier
 from strata.tiers.ram import RamTier
-from strata_operator.peers import peer_secret_data, peer_secret_name
+from strata_operator.admission.peers import peer_secret_data, peer_secret_name
 from tests.fixtures.peers import JobCa, job_tls, make_ca
 from tests.fixtures.sidecar import flip_byte, free_port, write_ram_shard
 

@@ -7,8 +7,10 @@ import pytest
 from pydantic import ValidationError
 
 from strata.config import StrataConfig
-from strata_operator import api, validation
-from strata_operator.reconcile import InvalidSpec, parse_spec
+from strata_operator import api
+from strata_operator.api import validation
+from strata_operator.reconcile.policy import InvalidSpec, parse_spec
+from strata_operator.sidecar_config import to_sidecar_config
 from tests.fixtures.policies import InvalidCase, PolicyBuilder, invalid_policies
 
 pytestmark = pytest.mark.unit
@@ -103,7 +105,7 @@ def test_to_sidecar_config_maps_every_tier() -> None:
         .sidecar(terminationGracePeriodSeconds=120, ports={"metrics": 9500})
         .spec()
     )
-    cfg = api.to_sidecar_config(
+    cfg = to_sidecar_config(
         spec, "team-a.llm", policy="p", namespace="team-a", report_endpoint="https://op:9443"
     )
     assert isinstance(cfg, StrataConfig)
@@ -126,7 +128,7 @@ def test_to_sidecar_config_maps_every_tier() -> None:
 
 
 def test_to_sidecar_config_defaults_restore_order_to_configured_tiers() -> None:
-    cfg = api.to_sidecar_config(parse_spec(PolicyBuilder().pvc().spec()), "ns.job")
+    cfg = to_sidecar_config(parse_spec(PolicyBuilder().pvc().spec()), "ns.job")
     assert cfg.gcs is None
     assert cfg.tiers_in_restore_order() == ["ram", "pvc"]
     assert cfg.termination_grace_seconds == 30.0
@@ -135,7 +137,7 @@ def test_to_sidecar_config_defaults_restore_order_to_configured_tiers() -> None:
 
 def test_to_sidecar_config_honours_the_pods_grace_period() -> None:
     spec = parse_spec(PolicyBuilder().sidecar(terminationGracePeriodSeconds=60).spec())
-    cfg = api.to_sidecar_config(spec, "ns.job", termination_grace_seconds=300)
+    cfg = to_sidecar_config(spec, "ns.job", termination_grace_seconds=300)
     assert cfg.termination_grace_seconds == 300
 
 

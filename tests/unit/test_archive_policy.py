@@ -8,7 +8,8 @@ import pytest
 from strata.config import StrataConfig
 from strata.errors import ConfigError
 from strata_operator import api
-from strata_operator.reconcile import parse_spec
+from strata_operator.reconcile.policy import parse_spec
+from strata_operator.sidecar_config import to_sidecar_config
 from tests.fixtures.policies import PolicyBuilder
 
 
@@ -16,7 +17,7 @@ def test_components_and_incremental_reach_the_sidecar_config() -> None:
     spec = parse_spec(
         PolicyBuilder().pvc(incremental=False).gcs(components=["model", "ema"]).spec()
     )
-    cfg = api.to_sidecar_config(spec, "ns.job")
+    cfg = to_sidecar_config(spec, "ns.job")
     assert cfg.pvc is not None and cfg.pvc.incremental is False and cfg.pvc.components is None
     assert cfg.gcs is not None and cfg.gcs.components == ("model", "ema")
     assert cfg.gcs.incremental is True
@@ -46,7 +47,7 @@ def test_projection_uses_the_codecs_tensor_tag() -> None:
 
 def test_component_cadence_reaches_the_client_config() -> None:
     spec = parse_spec(PolicyBuilder().set("componentEvery", {"ema": 100}).spec())
-    cfg = api.to_sidecar_config(spec, "ns.job")
+    cfg = to_sidecar_config(spec, "ns.job")
     assert cfg.component_every == {"ema": 100}
     assert StrataConfig.from_env(cfg.to_env()) == cfg
     with pytest.raises(ConfigError, match="component_every"):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from strata_operator.coalescer import Coalescer, QueueFull
+from strata_operator.reports.coalescer import Coalescer, QueueFull
 
 pytestmark = pytest.mark.unit
 

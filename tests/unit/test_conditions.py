@@ -6,10 +6,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from strata_operator import conditions as c
 from strata_operator import constants as k
+from strata_operator.api import conditions as c
 from strata_operator.constants import PSS_ENFORCE_LABEL
-from strata_operator.reconcile import (
+from strata_operator.reconcile.policy import (
     BucketFact,
     Facts,
     InvalidSpec,

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from strata_operator import api, crdgen, validation
+from strata_operator import api, crdgen
+from strata_operator.api import validation
 
 pytestmark = pytest.mark.unit
 

@@ -13,16 +13,16 @@ import pytest
 import yaml
 
 from strata_operator import api
+from strata_operator.admission.mutation import (
+    InjectionSettings,
+    build_pod_patch,
+)
+from strata_operator.admission.workloads import build_workload_patch, pod_template_paths
 from strata_operator.constants import (
     INJECTED_ANNOTATION,
     POLICY_LABEL,
     SIDECAR_NAME,
 )
-from strata_operator.mutation import (
-    InjectionSettings,
-    build_pod_patch,
-)
-from strata_operator.workloads import build_workload_patch, pod_template_paths
 
 pytestmark = pytest.mark.unit
 

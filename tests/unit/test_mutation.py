@@ -9,6 +9,14 @@ import jsonpatch
 import pytest
 
 from strata.config import StrataConfig
+from strata_operator.admission.mutation import (
+    InjectionError,
+    InjectionSettings,
+    build_pod_patch,
+    escape_pointer,
+    job_id_for,
+)
+from strata_operator.admission.workloads import build_workload_patch
 from strata_operator.api import DEFAULT_HOST_PATH
 from strata_operator.constants import (
     INJECTED_ANNOTATION,
@@ -18,14 +26,6 @@ from strata_operator.constants import (
     SIDECAR_NAME,
     TOKEN_VOLUME,
 )
-from strata_operator.mutation import (
-    InjectionError,
-    InjectionSettings,
-    build_pod_patch,
-    escape_pointer,
-    job_id_for,
-)
-from strata_operator.workloads import build_workload_patch
 from tests.fixtures.pods import (
     PodBuilder,
     job_obj,

@@ -9,11 +9,11 @@ import jsonpatch
 import pytest
 
 from strata.config import StrataConfig
+from strata_operator.admission.mutation import InjectionError, InjectionSettings, build_pod_patch
+from strata_operator.admission.peer_admission import peer_secret_body
+from strata_operator.admission.peers import PEER_TLS_MOUNT, peer_secret_name
 from strata_operator.api import CheckpointPolicySpec
 from strata_operator.constants import PEERS_TLS_VOLUME, SIDECAR_NAME
-from strata_operator.mutation import InjectionError, InjectionSettings, build_pod_patch
-from strata_operator.peer_admission import peer_secret_body
-from strata_operator.peers import PEER_TLS_MOUNT, peer_secret_name
 from tests.fixtures.pods import PodBuilder, job_obj, jobset_obj, policy_obj
 
 pytestmark = pytest.mark.unit

@@ -8,7 +8,7 @@ import pytest
 
 from strata.peers import transport
 from strata.peers.config import PeerEndpoint, PeersConfig
-from strata_operator.peers import (
+from strata_operator.admission.peers import (
     PeerSpecError,
     job_uri,
     workload_peers,

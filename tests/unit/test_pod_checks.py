@@ -9,9 +9,9 @@ import jsonpatch
 import pytest
 
 from strata_operator import constants as k
-from strata_operator.mutation import InjectionError, InjectionSettings, build_pod_patch
-from strata_operator.pod_checks import fully_injected, is_injected
-from strata_operator.validation import parse_quantity
+from strata_operator.admission.mutation import InjectionError, InjectionSettings, build_pod_patch
+from strata_operator.admission.pod_checks import fully_injected, is_injected
+from strata_operator.api.validation import parse_quantity
 from tests.fixtures.pods import PodBuilder, policy_obj
 
 pytestmark = pytest.mark.unit

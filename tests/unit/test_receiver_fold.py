@@ -8,7 +8,7 @@ import pytest
 
 from strata.reports import ReportedError, Restore, SidecarReport, TierState
 from strata_operator.api import CheckpointPolicyStatus
-from strata_operator.fold import fold_report
+from strata_operator.reports.fold import fold_report
 
 pytestmark = pytest.mark.unit
 

@@ -8,10 +8,10 @@ from decimal import Decimal
 import pytest
 from pydantic import ValidationError
 
-from strata_operator import validation as v
+from strata_operator.admission.mutation import InjectionSettings, build_pod_patch
 from strata_operator.api import CheckpointPolicySpec, ResourcesSpec
-from strata_operator.mutation import InjectionSettings, build_pod_patch
-from strata_operator.reconcile import InvalidSpec, parse_spec
+from strata_operator.api import validation as v
+from strata_operator.reconcile.policy import InvalidSpec, parse_spec
 from tests.fixtures.pods import PodBuilder
 from tests.fixtures.policies import PolicyBuilder
 

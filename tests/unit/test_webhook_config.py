@@ -14,8 +14,8 @@ import pytest
 from cryptography import x509
 
 from strata_operator import certs
-from strata_operator.mutation import InjectionSettings
-from strata_operator.webhook import (
+from strata_operator.admission.mutation import InjectionSettings
+from strata_operator.admission.webhook import (
     WORKLOAD_WEBHOOKS,
     WebhookOptions,
     WebhookState,

@@ -15,10 +15,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from strata.cli import output
+from strata_operator.admission.mutation import job_id_for
 from strata_operator.constants import INJECTED_ANNOTATION, POLICY_LABEL
 from strata_operator.kubectl import EXIT_NOT_FOUND, EXIT_OK, PluginError, print_doc
 from strata_operator.kubectl.cluster import Cluster
-from strata_operator.mutation import job_id_for
 
 TIERS = ("ram", "pvc", "gcs")
 

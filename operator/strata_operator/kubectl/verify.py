@@ -23,12 +23,12 @@ from typing import Any, cast
 
 from strata.config import DEFAULT_PVC_DIR
 from strata_operator import api
+from strata_operator.admission.mutation import job_id_for
 from strata_operator.api import DEFAULT_SIDECAR_IMAGE
 from strata_operator.constants import INJECTED_ANNOTATION
 from strata_operator.kubectl import EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, PluginError
 from strata_operator.kubectl.cluster import Cluster
 from strata_operator.kubectl.status import find_job
-from strata_operator.mutation import job_id_for
 
 VERIFY_LABEL = "strata.dev/verify-job"
 CREDENTIALS_DIR = "/var/run/secrets/strata.dev/gcs"

@@ -19,13 +19,13 @@ order, and a failure is answered with the status below and counted in
    labelled pods last saw it (a GET when the watch has not seen it);
 6. the policy exists (404 ``policy-not-found``).
 
-Reports are coalesced (:mod:`strata_operator.coalescer`): the reports queued for one policy are
+Reports are coalesced (:mod:`strata_operator.reports.coalescer`): the reports queued for one policy are
 folded in memory into ONE status patch, at most one per ``--status-interval`` seconds (1 s), and
 each request is answered when the patch holding its report is written (so status and Events are
 visible when the sidecar gets its 202). 1,000 ranks reporting every 10 s cost about one status
 write per second, and a report's latency does not grow with the number queued.
 
-Accepted reports are folded (:func:`strata_operator.fold.fold_report`, pure) into
+Accepted reports are folded (:func:`strata_operator.reports.fold.fold_report`, pure) into
 ``status.jobs[]``: one entry per job id, newest first, at most :data:`strata_operator.api.MAX_JOBS`; each with the newest complete step
 per tier, the last restore (tier, step, seconds, outcome, time) and the last error; and
 ``status.newestCompleteStep`` of the job reported last (printer columns). The status is written
@@ -52,7 +52,7 @@ import logging
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -64,18 +64,18 @@ from pydantic import ValidationError
 
 from strata.constants import REPORT_PATH
 from strata.reports import SidecarReport
-from strata_operator import api, certs
-from strata_operator import conditions as c
+from strata_operator import certs
 from strata_operator import metrics as m
-from strata_operator.coalescer import Coalescer, QueueFull
+from strata_operator.cluster import EventSpec, StatusWriter, get_policy, post_event
 from strata_operator.constants import (
-    COMPONENT,
     EVENT_NOT_PROTECTED,
     INJECTED_ANNOTATION,
     POLICY_LABEL,
     SIDECAR_NAME,
 )
-from strata_operator.fold import EventSpec, fold_report
+from strata_operator.extension import Wiring
+from strata_operator.reports.coalescer import Coalescer, QueueFull
+from strata_operator.reports.fold import fold_report
 
 log = logging.getLogger("strata.receiver")
 
@@ -138,6 +138,10 @@ class ReceiverState:
     """Labelled pods as the pod watch last saw them (namespace, name)."""
     executor: ThreadPoolExecutor | None = None
 
+    def writer(self) -> StatusWriter:
+        """The writer of ``status.jobs`` (:class:`strata_operator.cluster.StatusWriter`)."""
+        return StatusWriter(self.custom_api, timeout=10)
+
     def first_time(self, key: str) -> bool:
         if not key:
             return True
@@ -163,13 +167,13 @@ class ReceiverState:
             digest = hashlib.sha256(token.encode()).hexdigest()
             self.tokens[digest] = (now + ttl, identity)
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` (a blocking API call) on the receiver's own threads, so that a burst of
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` (a blocking API call) on the receiver's own threads, so that a burst of
         reports neither waits for nor starves the default executor."""
         if self.executor is None:
             self.executor = ThreadPoolExecutor(API_THREADS, thread_name_prefix="strata-receiver")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
 
 def _seconds_left(token: str) -> float:
@@ -223,84 +227,6 @@ def _get_pod(core_api: Any, namespace: str, name: str) -> dict[str, Any] | None:
         raise
     data: dict[str, Any] = json.loads(resp.data)
     return data
-
-
-def _get_policy(custom_api: Any, namespace: str, name: str) -> dict[str, Any] | None:
-    from kubernetes.client.exceptions import ApiException
-
-    try:
-        obj: dict[str, Any] = custom_api.get_namespaced_custom_object(
-            api.GROUP, api.VERSION, namespace, api.PLURAL, name, _request_timeout=10
-        )
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    return obj
-
-
-def _patch_status(
-    custom_api: Any, namespace: str, name: str, resource_version: str, status: dict[str, Any]
-) -> bool:
-    """Merge-patch status guarded by resourceVersion; False on a conflict (409)."""
-    from kubernetes.client.exceptions import ApiException
-
-    try:
-        custom_api.patch_namespaced_custom_object_status(
-            api.GROUP,
-            api.VERSION,
-            namespace,
-            api.PLURAL,
-            name,
-            {"metadata": {"resourceVersion": resource_version}, "status": status},
-            field_manager=COMPONENT,
-            _content_type="application/merge-patch+json",
-            _request_timeout=10,
-        )
-    except ApiException as exc:
-        if exc.status == 409:
-            return False
-        raise
-    return True
-
-
-def post_event(
-    core_api: Any, obj: Mapping[str, Any], event: EventSpec, *, now: datetime | None = None
-) -> None:
-    """Create a core/v1 Event about ``obj`` (kubectl describe lists it); errors are logged only."""
-    from kubernetes.client.exceptions import ApiException
-
-    meta = obj.get("metadata") or {}
-    stamp = c.format_time(now or datetime.now(UTC))
-    body = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {
-            "generateName": f"{meta.get('name', 'strata')[:200]}.",
-            "namespace": meta.get("namespace"),
-        },
-        "involvedObject": {
-            "apiVersion": obj.get("apiVersion"),
-            "kind": obj.get("kind"),
-            "name": meta.get("name"),
-            "namespace": meta.get("namespace"),
-            "uid": meta.get("uid"),
-            "resourceVersion": meta.get("resourceVersion"),
-        },
-        "reason": event.reason,
-        "message": event.message[:1024],
-        "type": event.type,
-        "source": {"component": COMPONENT},
-        "reportingComponent": COMPONENT,
-        "reportingInstance": COMPONENT,
-        "firstTimestamp": stamp,
-        "lastTimestamp": stamp,
-        "count": 1,
-    }
-    try:
-        core_api.create_namespaced_event(meta.get("namespace"), body, _request_timeout=10)
-    except (ApiException, OSError) as exc:
-        log.warning("could not post event %s on %s: %s", event.reason, meta.get("name"), exc)
 
 
 async def handle_report(state: ReceiverState, request: web.Request) -> web.Response:
@@ -394,7 +320,7 @@ async def fold_batch(
     """
     namespace, name = key
     for _ in range(8):
-        policy = await state.call(_get_policy, state.custom_api, namespace, name)
+        policy = await state.call(get_policy, state.custom_api, namespace, name, timeout=10)
         if policy is None:
             raise Rejected(
                 404, "policy-not-found", f"CheckpointPolicy {namespace}/{name} not found"
@@ -409,7 +335,7 @@ async def fold_batch(
         if jobs and jobs[0].get("newestCompleteStep"):
             patch["newestCompleteStep"] = jobs[0]["newestCompleteStep"]
         rv = policy["metadata"]["resourceVersion"]
-        if await state.call(_patch_status, state.custom_api, namespace, name, rv, patch):
+        if await state.call(state.writer().write_jobs, namespace, name, rv, patch):
             break
     else:
         raise Rejected(409, "status-conflict", "the policy status kept changing; retry")
@@ -432,145 +358,158 @@ def _ssl_context(tls: certs.TlsFiles) -> ssl.SSLContext:
     return context
 
 
-@kopf.on.startup()
-async def start_receiver(memo: kopf.Memo, **_: Any) -> None:
-    """Start the HTTPS report endpoint in kopf's event loop (stopped by :func:`stop_receiver`)."""
-    state: ReceiverState | None = memo.get("receiver")
-    if state is None or state.port == 0:
-        return
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+class ReportReceiver:
+    """The reports role (an :class:`strata_operator.extension.Extension`): the HTTPS report
+    endpoint, the labelled-pod watch that feeds it, and the metrics endpoint. Its run-time state
+    is :attr:`state` (set by :meth:`configure`)."""
 
-    async def _report(request: web.Request) -> web.Response:
-        return await handle_report(state, request)
+    name = "reports"
 
-    app.add_routes([web.post(REPORT_PATH, _report), web.get("/healthz", healthz)])
-    state.batches = Coalescer(
-        functools.partial(fold_batch, state),
-        interval=state.status_interval,
-        max_pending=MAX_PENDING_PER_POLICY,
-    )
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, state.host, state.port, ssl_context=_ssl_context(state.tls))
-    await site.start()
-    state.runner = runner
-    log.info("report receiver listening on https://%s:%d%s", state.host, state.port, REPORT_PATH)
+    def __init__(self, state: ReceiverState | None = None) -> None:
+        self.state = state
 
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("report receiver and metrics")
+        g.add_argument(
+            "--report-port", type=int, default=8444, help="HTTPS report port (0: off; default 8444)"
+        )
+        g.add_argument("--report-listen", default="0.0.0.0", help="bind address (default 0.0.0.0)")
+        g.add_argument(
+            "--report-url",
+            help="base URL sidecars use, e.g. https://strata.strata-system.svc:8444 (default: "
+            "https://<--webhook-host>:<--report-port>)",
+        )
+        g.add_argument(
+            "--report-audience",
+            default="strata.dev",
+            help="audience of the projected tokens (default %(default)s)",
+        )
+        g.add_argument(
+            "--status-interval",
+            type=float,
+            default=1.0,
+            metavar="SECONDS",
+            help="seconds between two status patches of one policy; reports in between are folded "
+            "into the next one (default %(default)s)",
+        )
+        g.add_argument(
+            "--metrics-port", type=int, default=8095, help="plain-HTTP /metrics port (0: off)"
+        )
+        g.add_argument("--metrics-listen", default="0.0.0.0")
 
-@kopf.on.cleanup()
-async def stop_receiver(memo: kopf.Memo, **_: Any) -> None:
-    state: ReceiverState | None = memo.get("receiver")
-    if state is not None and state.runner is not None:
-        await state.runner.cleanup()
-        state.runner = None
-    if state is not None and state.batches is not None:
-        await state.batches.close()
-    if state is not None and state.executor is not None:
-        state.executor.shutdown(wait=False, cancel_futures=True)
+    def configure(self, args: argparse.Namespace, wiring: Wiring) -> None:
+        """Set up the receiver's state with its own API connection pool, and serve metrics."""
+        from kubernetes import client
 
+        # The receiver gets its own connection pool, as large as its thread pool, so that a
+        # burst of reports does not queue on connections.
+        configuration = client.Configuration.get_default_copy()
+        configuration.connection_pool_maxsize = API_THREADS
+        api_client = client.ApiClient(configuration)
+        self.state = ReceiverState(
+            host=args.report_listen,
+            port=args.report_port,
+            audience=args.report_audience,
+            tls=wiring.tls,
+            auth_api=client.AuthenticationV1Api(api_client),
+            core_api=client.CoreV1Api(api_client),
+            custom_api=client.CustomObjectsApi(api_client),
+            status_interval=args.status_interval,
+        )
+        if args.metrics_port:
+            m.serve(args.metrics_port, args.metrics_listen)
 
-@kopf.on.event("", "v1", "pods", labels={POLICY_LABEL: kopf.PRESENT})
-async def labelled_pod(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-    """Keep the receiver's view of labelled pods (no GET per report), and report a labelled pod
-    running without the sidecar (C-10, failurePolicy Ignore).
+    def register(self, registry: kopf.OperatorRegistry) -> None:
+        """Start/stop of the endpoint and the watch of labelled pods."""
+        kopf.on.startup(id="start_receiver", registry=registry)(self.start)
+        kopf.on.cleanup(id="stop_receiver", registry=registry)(self.stop)
+        kopf.on.event(
+            "",
+            "v1",
+            "pods",
+            labels={POLICY_LABEL: kopf.PRESENT},
+            id="labelled_pod",
+            registry=registry,
+        )(self.labelled_pod)
 
-    The pod watch has a server-side label selector (``strata_operator.main.configure``): the
-    operator never receives the cluster's other pods.
-    """
-    state: ReceiverState | None = memo.get("receiver")
-    meta = body.get("metadata") or {}
-    if state is None:
-        return
-    key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
-    if type == "DELETED":
-        state.pods.pop(key, None)
-        return
-    state.pods[key] = PodFacts(
-        uid=meta.get("uid"), policy=(meta.get("labels") or {}).get(POLICY_LABEL)
-    )
-    uid = meta.get("uid")
-    annotations = meta.get("annotations") or {}
-    if INJECTED_ANNOTATION in annotations:
-        return
-    if not uid or uid in state.warned_pods or meta.get("deletionTimestamp"):
-        return
-    spec = body.get("spec") or {}
-    if any(c.get("name") == SIDECAR_NAME for c in spec.get("initContainers") or []):
-        return
-    state.warned_pods[uid] = None
-    while len(state.warned_pods) > 10_000:
-        state.warned_pods.popitem(last=False)
-    m.PODS_UNINJECTED.inc()
-    ns, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
-    policy_name = str((meta.get("labels") or {}).get(POLICY_LABEL) or "")
-    event = EventSpec(
-        "Warning",
-        EVENT_NOT_PROTECTED,
-        f"pod {ns}/{name} is labelled {POLICY_LABEL}={policy_name} but runs without the Strata "
-        "sidecar: it was created while the webhook was unreachable (failurePolicy Ignore) or in "
-        "an excluded namespace; its checkpoints are not protected. Recreate the pod.",
-    )
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": dict(meta)}
-    await asyncio.to_thread(post_event, state.core_api, pod, event)
-    policy = await asyncio.to_thread(_get_policy, state.custom_api, ns, policy_name)
-    if policy is not None:
-        await asyncio.to_thread(post_event, state.core_api, policy, event)
+    async def start(self, **_: Any) -> None:
+        """Start the HTTPS report endpoint in kopf's event loop (stopped by :meth:`stop`)."""
+        state = self.state
+        if state is None or state.port == 0:
+            return
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
 
+        async def _report(request: web.Request) -> web.Response:
+            return await handle_report(state, request)
 
-# --- command line (strata_operator.main extension hooks) -------------------------------------
+        app.add_routes([web.post(REPORT_PATH, _report), web.get("/healthz", healthz)])
+        state.batches = Coalescer(
+            functools.partial(fold_batch, state),
+            interval=state.status_interval,
+            max_pending=MAX_PENDING_PER_POLICY,
+        )
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, state.host, state.port, ssl_context=_ssl_context(state.tls))
+        await site.start()
+        state.runner = runner
+        log.info(
+            "report receiver listening on https://%s:%d%s", state.host, state.port, REPORT_PATH
+        )
 
+    async def stop(self, **_: Any) -> None:
+        """Stop the endpoint, answer what is queued, and release the API threads."""
+        state = self.state
+        if state is not None and state.runner is not None:
+            await state.runner.cleanup()
+            state.runner = None
+        if state is not None and state.batches is not None:
+            await state.batches.close()
+        if state is not None and state.executor is not None:
+            state.executor.shutdown(wait=False, cancel_futures=True)
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("report receiver and metrics")
-    g.add_argument(
-        "--report-port", type=int, default=8444, help="HTTPS report port (0: off; default 8444)"
-    )
-    g.add_argument("--report-listen", default="0.0.0.0", help="bind address (default 0.0.0.0)")
-    g.add_argument(
-        "--report-url",
-        help="base URL sidecars use, e.g. https://strata.strata-system.svc:8444 (default: "
-        "https://<--webhook-host>:<--report-port>)",
-    )
-    g.add_argument(
-        "--report-audience",
-        default="strata.dev",
-        help="audience of the projected tokens (default %(default)s)",
-    )
-    g.add_argument(
-        "--status-interval",
-        type=float,
-        default=1.0,
-        metavar="SECONDS",
-        help="seconds between two status patches of one policy; reports in between are folded "
-        "into the next one (default %(default)s)",
-    )
-    g.add_argument(
-        "--metrics-port", type=int, default=8095, help="plain-HTTP /metrics port (0: off)"
-    )
-    g.add_argument("--metrics-listen", default="0.0.0.0")
+    async def labelled_pod(self, body: kopf.Body, type: str | None, **_: Any) -> None:
+        """Keep the receiver's view of labelled pods (no GET per report), and report a labelled pod
+        running without the sidecar (C-10, failurePolicy Ignore).
 
-
-def configure(args: argparse.Namespace, memo: kopf.Memo) -> None:
-    """Set up the receiver's state (needs ``memo["tls"]`` from the webhook extension)."""
-    from kubernetes import client
-
-    tls: certs.TlsFiles | None = memo.get("tls")
-    if tls is None:
-        raise SystemExit("strata_operator.receiver needs strata_operator.webhook (TLS) first")
-    # The webhook extension loaded the kubeconfig; the receiver gets its own connection pool,
-    # as large as its thread pool, so that a burst of reports does not queue on connections.
-    configuration = client.Configuration.get_default_copy()
-    configuration.connection_pool_maxsize = API_THREADS
-    api_client = client.ApiClient(configuration)
-    memo["receiver"] = ReceiverState(
-        host=args.report_listen,
-        port=args.report_port,
-        audience=args.report_audience,
-        tls=tls,
-        auth_api=client.AuthenticationV1Api(api_client),
-        core_api=client.CoreV1Api(api_client),
-        custom_api=client.CustomObjectsApi(api_client),
-        status_interval=args.status_interval,
-    )
-    if args.metrics_port:
-        m.serve(args.metrics_port, args.metrics_listen)
+        The pod watch has a server-side label selector (``strata_operator.main.tune_kopf``): the
+        operator never receives the cluster's other pods.
+        """
+        state = self.state
+        meta = body.get("metadata") or {}
+        if state is None:
+            return
+        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        if type == "DELETED":
+            state.pods.pop(key, None)
+            return
+        state.pods[key] = PodFacts(
+            uid=meta.get("uid"), policy=(meta.get("labels") or {}).get(POLICY_LABEL)
+        )
+        uid = meta.get("uid")
+        annotations = meta.get("annotations") or {}
+        if INJECTED_ANNOTATION in annotations:
+            return
+        if not uid or uid in state.warned_pods or meta.get("deletionTimestamp"):
+            return
+        spec = body.get("spec") or {}
+        if any(c.get("name") == SIDECAR_NAME for c in spec.get("initContainers") or []):
+            return
+        state.warned_pods[uid] = None
+        while len(state.warned_pods) > 10_000:
+            state.warned_pods.popitem(last=False)
+        m.PODS_UNINJECTED.inc()
+        ns, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+        policy_name = str((meta.get("labels") or {}).get(POLICY_LABEL) or "")
+        event = EventSpec(
+            "Warning",
+            EVENT_NOT_PROTECTED,
+            f"pod {ns}/{name} is labelled {POLICY_LABEL}={policy_name} but runs without the Strata "
+            "sidecar: it was created while the webhook was unreachable (failurePolicy Ignore) or in "
+            "an excluded namespace; its checkpoints are not protected. Recreate the pod.",
+        )
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": dict(meta)}
+        await asyncio.to_thread(post_event, state.core_api, pod, event)
+        policy = await asyncio.to_thread(get_policy, state.custom_api, ns, policy_name, timeout=10)
+        if policy is not None:
+            await asyncio.to_thread(post_event, state.core_api, policy, event)

@@ -1,12 +1,12 @@
 """The ``CheckpointPolicy`` API (``strata.dev/v1alpha1``): pydantic models, the single source of truth.
 
 ``crdgen`` turns these models into ``crds/checkpointpolicies.strata.dev.yaml``; the operator parses
-stored objects with them; the webhook maps a parsed spec to the sidecar contract with
-:func:`to_sidecar_config`. The Kubernetes JSON uses camelCase (``sizeLimit``); Python uses
+stored objects with them; :mod:`strata_operator.sidecar_config` maps a parsed spec to the
+sidecar contract. The Kubernetes JSON uses camelCase (``sizeLimit``); Python uses
 snake_case (``size_limit``); both are accepted on input (``populate_by_name``).
 
-Value rules live in :mod:`strata_operator.validation`. Every cross-field rule exists twice, with the same message: as a CEL ``x-kubernetes-validations``
-rule that the apiserver enforces on create/update, and as a pydantic validator that the operator
+Value rules live in :mod:`strata_operator.api.validation`. Every cross-field rule exists
+twice, with the same message: as a CEL ``x-kubernetes-validations`` rule that the apiserver enforces on create/update, and as a pydantic validator that the operator
 applies to what is stored (objects written before a stricter CRD, or with validation bypassed).
 The messages say what to fix. :data:`RULES` holds both halves side by side.
 
@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal, Self
@@ -34,22 +33,8 @@ from typing import Annotated, Any, Final, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from strata.config import (
-    DEFAULT_PVC_DIR,
-    DEFAULT_RAM_DIR,
-    TIER_ORDER,
-    GcsTierConfig,
-    Interval,
-    PvcTierConfig,
-    RamTierConfig,
-    ReportConfig,
-    RestoreConfig,
-    SourceName,
-    StrataConfig,
-    TierName,
-)
-from strata.peers.config import PeerEndpoint, PeersConfig
-from strata_operator.validation import (
+from strata.config import TIER_ORDER, SourceName, TierName
+from strata_operator.api.validation import (
     EXTENDED_NEEDS_LIMIT_MESSAGE,
     EXTENDED_NEEDS_LIMIT_RULE,
     REQUEST_ABOVE_LIMIT_MESSAGE,
@@ -65,7 +50,6 @@ from strata_operator.validation import (
     SizeLimit,
     check_requirements,
     parse_duration,
-    quantity_bytes,
 )
 
 ComponentName = Annotated[
@@ -255,17 +239,25 @@ class EverySpec(_Model):
         return None if self.duration is None else parse_duration(self.duration)
 
 
-class PvcTierSpec(_Model):
-    """The shared-filesystem tier: a PersistentVolumeClaim (Filestore, Lustre, NFS; RWX)."""
+def _shared_fields_last(schema: dict[str, Any], cls: type) -> None:
+    """Move the fields a durable tier inherits behind its own in the JSON schema (pydantic lists
+    a base class's fields first)."""
+    properties = schema.get("properties") or {}
+    for name in ("components", "incremental"):
+        if name in properties:
+            properties[name] = properties.pop(name)
 
-    claim_name: ObjectName
-    """Name of a PersistentVolumeClaim in the policy's namespace (ReadWriteMany for multi-pod
-    jobs)."""
-    sub_path: RelativePath | None = None
-    """Directory inside the volume that holds the checkpoints (relative, no '.' or '..')."""
-    every: EverySpec = EverySpec(steps=100)
-    keep: Annotated[int, Field(strict=True, ge=1, le=1000)] = 2
-    """Complete steps kept on the PVC; the newest complete step is never deleted first."""
+
+class DurableTierSpec(_Model):
+    """What every durable tier (PVC, GCS) adds to its location, ``every`` and ``keep``: which
+    parts of the state it keeps (an archive tier) and whether it stores incremental copies.
+
+    Each durable tier declares its own ``every`` and ``keep`` (their defaults differ per tier).
+    In the schema these shared fields come after the tier's own (:func:`_shared_fields_last`),
+    the order ``kubectl explain`` shows."""
+
+    model_config = ConfigDict(json_schema_extra=_shared_fields_last)
+
     components: (
         Annotated[
             list[ComponentName],
@@ -285,6 +277,19 @@ class PvcTierSpec(_Model):
         if self.components is not None and len(set(self.components)) != len(self.components):
             raise ValueError(RULE_COMPONENTS_UNIQUE.message)
         return self
+
+
+class PvcTierSpec(DurableTierSpec):
+    """The shared-filesystem tier: a PersistentVolumeClaim (Filestore, Lustre, NFS; RWX)."""
+
+    claim_name: ObjectName
+    """Name of a PersistentVolumeClaim in the policy's namespace (ReadWriteMany for multi-pod
+    jobs)."""
+    sub_path: RelativePath | None = None
+    """Directory inside the volume that holds the checkpoints (relative, no '.' or '..')."""
+    every: EverySpec = EverySpec(steps=100)
+    keep: Annotated[int, Field(strict=True, ge=1, le=1000)] = 2
+    """Complete steps kept on the PVC; the newest complete step is never deleted first."""
 
 
 class SecretKeyRefSpec(_Model):
@@ -313,7 +318,7 @@ class GcsCredentialsSpec(_Model):
         return self
 
 
-class GcsTierSpec(_Model):
+class GcsTierSpec(DurableTierSpec):
     """The object-store tier: ``gs://<bucket>/<prefix>/<job id>/steps/...``."""
 
     bucket: BucketName
@@ -325,25 +330,6 @@ class GcsTierSpec(_Model):
     keep: Annotated[int, Field(strict=True, ge=1, le=1000)] = 3
     """Complete steps kept in the bucket."""
     credentials: GcsCredentialsSpec = GcsCredentialsSpec()
-    components: (
-        Annotated[
-            list[ComponentName],
-            Field(min_length=1, max_length=32, json_schema_extra=_rules(RULE_COMPONENTS_UNIQUE)),
-        ]
-        | None
-    ) = None
-    """Archive tier: keep only these top-level keys of the saved state (e.g. [model]: weights,
-    not optimizer state), at this tier's own every/keep. Its steps are archive-only: listed,
-    verified and exported (strata export), never used to resume training. Unset: everything."""
-    incremental: Annotated[bool, Field(strict=True)] = True
-    """Store a step whose bytes mostly equal an earlier full step here (e.g. a frozen base
-    under LoRA) as an incremental copy that references them instead of writing them again."""
-
-    @model_validator(mode="after")
-    def _components_unique(self) -> Self:
-        if self.components is not None and len(set(self.components)) != len(self.components):
-            raise ValueError(RULE_COMPONENTS_UNIQUE.message)
-        return self
 
 
 class TiersSpec(_Model):
@@ -635,102 +621,3 @@ class CheckpointPolicy(_Model):
 
     spec: CheckpointPolicySpec
     status: CheckpointPolicyStatus | None = None
-
-
-# --- the sidecar contract ---------------------------------------------------------------------
-
-
-def _interval(every: EverySpec) -> Interval:
-    return Interval(steps=every.steps, seconds=every.seconds)
-
-
-def to_sidecar_config(
-    spec: CheckpointPolicySpec,
-    job_id: str,
-    *,
-    policy: str | None = None,
-    namespace: str | None = None,
-    report_endpoint: str | None = None,
-    report_ca_path: str | None = None,
-    ram_path: str = DEFAULT_RAM_DIR,
-    pvc_path: str = DEFAULT_PVC_DIR,
-    termination_grace_seconds: float | None = None,
-    peers: Sequence[Mapping[str, str]] | None = None,
-) -> StrataConfig:
-    """Map a policy spec to the sidecar/client contract (:class:`strata.config.StrataConfig`).
-
-    Pure: no Kubernetes calls. ``job_id`` is ``<namespace>.<workload>`` or the run-id annotation.
-    ``ram_path``/``pvc_path`` are where the webhook mounts the tiers in the containers.
-    ``termination_grace_seconds`` is the pod's effective grace period (seconds) when the caller
-    knows it; otherwise the policy's ``sidecar.terminationGracePeriodSeconds``, else 30.
-    Pod identity (name, uid, node) comes from the downward API at run time, not from here.
-
-    ``peers``: the workload's ``[{id, address}]`` (:func:`strata_operator.peers.workload_peers`),
-    used when the policy has ``spec.peers``.
-
-    Errors: pydantic ``ValidationError`` when ``job_id`` is not a valid job id.
-    """
-    tiers = spec.tiers
-    ram = RamTierConfig(
-        path=ram_path,
-        medium=tiers.ram.medium,
-        size_limit_bytes=quantity_bytes(tiers.ram.size_limit),
-        keep=tiers.ram.keep,
-        every=Interval(steps=tiers.ram.every.steps),
-    )
-    pvc = None
-    if tiers.pvc is not None:
-        pvc = PvcTierConfig(
-            path=pvc_path,
-            claim_name=tiers.pvc.claim_name,
-            sub_path=tiers.pvc.sub_path,
-            keep=tiers.pvc.keep,
-            every=_interval(tiers.pvc.every),
-            components=tuple(tiers.pvc.components) if tiers.pvc.components else None,
-            incremental=tiers.pvc.incremental,
-        )
-    gcs = None
-    if tiers.gcs is not None:
-        gcs = GcsTierConfig(
-            bucket=tiers.gcs.bucket,
-            prefix=tiers.gcs.prefix,
-            keep=tiers.gcs.keep,
-            every=_interval(tiers.gcs.every),
-            components=tuple(tiers.gcs.components) if tiers.gcs.components else None,
-            incremental=tiers.gcs.incremental,
-        )
-    grace = termination_grace_seconds
-    if grace is None:
-        grace = float(spec.sidecar.termination_grace_period_seconds or 30)
-    return StrataConfig(
-        job_id=job_id,
-        policy=policy,
-        namespace=namespace,
-        ram=ram,
-        pvc=pvc,
-        gcs=gcs,
-        restore=RestoreConfig(
-            order=tuple(spec.restore.order) if spec.restore.order else tuple(TIER_ORDER),
-            verify=spec.restore.verify,
-            allow_fresh_start=spec.restore.allow_fresh_start,
-        ),
-        report=ReportConfig(endpoint=report_endpoint, ca_path=report_ca_path),
-        metrics_port=spec.sidecar.ports.metrics,
-        component_every=dict(spec.component_every) if spec.component_every else None,
-        termination_grace_seconds=grace,
-        peers=_peers_config(spec.peers, peers or ()),
-    )
-
-
-def _peers_config(spec: PeersSpec | None, peers: Sequence[Mapping[str, str]]) -> PeersConfig | None:
-    if spec is None:
-        return None
-    return PeersConfig(
-        mode=spec.mode,
-        copies=spec.copies,
-        data_shards=spec.data_shards,
-        parity_shards=spec.parity_shards,
-        bandwidth_bytes_per_second=spec.bandwidth,
-        port=spec.port,
-        peers=tuple(PeerEndpoint(id=p["id"], address=p["address"]) for p in peers),
-    )

@@ -1,9 +1,9 @@
 """What pod admission does for the peer tier (issue 16, docs/peers.md) with the API.
 
 - :func:`pod_workload`: the JobSet or Indexed Job of a pod being admitted, read from the API by the
-  pod's labels; :mod:`strata_operator.mutation` computes the peer list from it (pure).
+  pod's labels; :mod:`strata_operator.admission.mutation` computes the peer list from it (pure).
 - :func:`ensure_peer_secret`: the job's peer TLS Secret (``kubernetes.io/tls``, built by
-  :func:`strata_operator.peers.peer_secret_data`), created once per job: create, and a 409
+  :func:`strata_operator.admission.peers.peer_secret_data`), created once per job: create, and a 409
   (already there: another pod of the job was admitted first) is success. Owned by the
   CheckpointPolicy (same namespace), so it is garbage-collected with the policy.
 
@@ -23,8 +23,8 @@ from typing import Any
 import kopf
 
 from strata_operator import api
+from strata_operator.admission.peers import peer_secret_data, peer_secret_name
 from strata_operator.constants import JOB_NAME_LABELS, JOBSET_NAME_LABEL, MANAGED_BY
-from strata_operator.peers import peer_secret_data, peer_secret_name
 
 JOBSET_API = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 

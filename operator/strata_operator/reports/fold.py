@@ -2,20 +2,20 @@
 
 :func:`fold_report` takes the current ``status.jobs`` and one :class:`strata.reports.SidecarReport`
 and returns the new list plus the Events the report warrants (:class:`EventSpec`). The report
-receiver (:mod:`strata_operator.receiver`) folds the reports of one status interval with it into
-one status patch (:mod:`strata_operator.coalescer`); the unit tests call it directly.
+receiver (:mod:`strata_operator.reports.receiver`) folds the reports of one status interval with it into
+one status patch (:mod:`strata_operator.reports.coalescer`); the unit tests call it directly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from strata.reports import SidecarReport
 from strata_operator import api
-from strata_operator import conditions as c
+from strata_operator.api import conditions as c
+from strata_operator.cluster import EventSpec
 from strata_operator.constants import (
     EVENT_FRESH_START,
     EVENT_RESTORE_FAILED,
@@ -23,16 +23,6 @@ from strata_operator.constants import (
     EVENT_TIER_FAILED,
     EVENT_TIER_TOO_SMALL,
 )
-
-
-@dataclass(frozen=True)
-class EventSpec:
-    type: str
-    reason: str
-    message: str
-    key: str = ""
-    """Identity of what the event is about (job, pod, rank, time): a re-sent report repeats it."""
-
 
 _fmt = c.format_time
 

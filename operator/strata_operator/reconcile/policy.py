@@ -32,11 +32,11 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from strata_operator import conditions as c
 from strata_operator import constants as k
 from strata_operator.api import CheckpointPolicySpec, GcsTierSpec
+from strata_operator.api import conditions as c
+from strata_operator.api.validation import check_policy_name
 from strata_operator.constants import PSS_ENFORCE_LABEL
-from strata_operator.validation import check_policy_name
 
 PSS_NO_HOST_PATH = frozenset({"baseline", "restricted"})
 

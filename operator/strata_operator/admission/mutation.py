@@ -1,6 +1,6 @@
 """Pod and workload mutation as pure functions: object in, RFC 6902 JSON patch out.
 
-The admission handlers in :mod:`strata_operator.webhook` only wire these functions; everything a
+The admission handlers in :mod:`strata_operator.admission.webhook` only wire these functions; everything a
 pod gets from Strata is decided here, without a cluster, so it is unit tested as plain data.
 
 What an injected pod gets (every name below is a constant of :mod:`strata_operator.constants`):
@@ -23,7 +23,7 @@ What an injected pod gets (every name below is a constant of :mod:`strata_operat
   (:meth:`strata.config.StrataConfig.to_env`), the downward-API identity variables and the RAM and
   PVC mounts;
 * with ``spec.peers`` (docs/peers.md): ``STRATA_CONFIG.peers`` with the workload's peer list
-  (:func:`strata_operator.peers.workload_peers`), and on the sidecar only: the peer port
+  (:func:`strata_operator.admission.peers.workload_peers`), and on the sidecar only: the peer port
   ``strata-peers``, ``STRATA_FAILURE_DOMAIN`` from the ``topology.kubernetes.io/zone`` pod label
   (empty, i.e. unknown, where the cluster does not copy it), and the job's TLS Secret
   (``strata-peers-tls``, read-only at ``/var/run/secrets/strata.dev/peers``); an Indexed Job's
@@ -49,7 +49,7 @@ The patch only adds (plus raising the grace period, and pod-level ``spec.resourc
 sidecar's share when the pod sets them): existing init containers, native sidecars, env, mounts
 and unknown fields stay as they are. A pod that already uses one of Strata's names (container,
 volume, mount path, env, port, annotation) or that cannot run the sidecar (Windows) is refused,
-never silently half-injected (:mod:`strata_operator.pod_checks`). It is idempotent: an injected
+never silently half-injected (:mod:`strata_operator.admission.pod_checks`). It is idempotent: an injected
 pod only gets what is missing, so applying the patch and calling :func:`build_pod_patch` again
 yields ``[]``. Names are constants of :mod:`strata_operator.constants`. Rule of this module:
 pure (no Kubernetes calls, no kopf). A pod that
@@ -74,13 +74,20 @@ from pydantic import BaseModel, ValidationError
 
 from strata.config import StrataConfig
 from strata.constants import ENV_FAILURE_DOMAIN
-from strata_operator import pod_checks
+from strata_operator.admission import pod_checks
+from strata_operator.admission.peers import (
+    PEER_TLS_MOUNT,
+    PeerSpecError,
+    peer_secret_name,
+    peer_service_name,
+    workload_peers,
+)
 from strata_operator.api import (
     DEFAULT_HOST_PATH,
     DEFAULT_SIDECAR_IMAGE,
     CheckpointPolicySpec,
-    to_sidecar_config,
 )
+from strata_operator.api.validation import parse_quantity, quantity_bytes
 from strata_operator.constants import (
     CA_FILE,
     INJECTED_ANNOTATION,
@@ -103,14 +110,7 @@ from strata_operator.constants import (
     TOKEN_VOLUME,
     ZONE_LABEL,
 )
-from strata_operator.peers import (
-    PEER_TLS_MOUNT,
-    PeerSpecError,
-    peer_secret_name,
-    peer_service_name,
-    workload_peers,
-)
-from strata_operator.validation import parse_quantity, quantity_bytes
+from strata_operator.sidecar_config import to_sidecar_config
 
 JSONPatchOp = dict[str, Any]
 Obj = dict[str, Any]

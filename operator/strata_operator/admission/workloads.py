@@ -1,10 +1,10 @@
 """Workload mutation as pure functions: label the pod templates of an annotated workload.
 
 A JobSet, PyTorchJob or Job annotated ``strata.dev/policy: <name>`` gets the label on every pod
-template, so that its pods reach the pod webhook (:mod:`strata_operator.mutation`). Rule of this
+template, so that its pods reach the pod webhook (:mod:`strata_operator.admission.mutation`). Rule of this
 module: pure (object in, RFC 6902 patch out), no Kubernetes calls, no kopf.
 
-Errors: :class:`strata_operator.mutation.InjectionError` with a message saying what to change.
+Errors: :class:`strata_operator.admission.mutation.InjectionError` with a message saying what to change.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from strata_operator.admission.mutation import InjectionError, JSONPatchOp, Obj, escape_pointer
+from strata_operator.api.validation import MAX_POLICY_NAME
 from strata_operator.constants import POLICY_LABEL, RUN_ID_ANNOTATION
-from strata_operator.mutation import InjectionError, JSONPatchOp, Obj, escape_pointer
-from strata_operator.validation import MAX_POLICY_NAME
 
 WORKLOAD_KINDS = ("JobSet", "PyTorchJob", "Job")
 

@@ -3,20 +3,20 @@
 Handlers (each its own webhook in the configuration, addressed by its kopf handler id):
 
 * ``inject-pods``: Pods on CREATE whose label ``strata.dev/policy`` exists (objectSelector) get the
-  patch of :func:`strata_operator.mutation.build_pod_patch`;
+  patch of :func:`strata_operator.admission.mutation.build_pod_patch`;
 * ``label-jobs``, ``label-jobsets``, ``label-pytorchjobs``: Jobs, JobSets and PyTorchJobs on
   CREATE carrying the annotation ``strata.dev/policy`` (a CEL ``matchCondition``, because an
   objectSelector sees labels only) get the label on every pod template
-  (:func:`strata_operator.mutation.build_workload_patch`).
+  (:func:`strata_operator.admission.mutation.build_workload_patch`).
 
 A policy that does not exist in the object's namespace is a denial (HTTP 403) whose message names
 the policy and the namespace; a pod or policy that cannot be injected is a denial (422) that says
-why (:mod:`strata_operator.pod_checks`). Every denial message starts with "Strata: ", and no
+why (:mod:`strata_operator.admission.pod_checks`). Every denial message starts with "Strata: ", and no
 policy the API accepted can make the webhook answer 5xx: an unexpected error is a 422 denial
 that says so (only an API failure reading the policy is a 503). A reinvocation (the apiserver
 calls again after later plugins changed an injected pod) returns at once, without reading the
 policy. The handlers read the policy from the operator's own watch
-(:mod:`strata_operator.policy_cache`; a GET only when the watch has not delivered it yet) and call
+(:mod:`strata_operator.admission.policy_cache`; a GET only when the watch has not delivered it yet) and call
 nothing else, except the peer Secret of a ``spec.peers`` policy, which a dry run skips
 (``sideEffects: NoneOnDryRun``).
 
@@ -31,7 +31,7 @@ new server with the old caBundle (C-11). The configuration stays in place when t
 stops, so that ``failurePolicy`` decides what happens meanwhile (C-10): ``Fail`` refuses
 training pods with the apiserver's "failed calling webhook inject-pods.strata.dev" message;
 ``Ignore`` lets them start uninjected, and the operator reports them when it is back
-(:mod:`strata_operator.receiver`). kube-system and the operator's own namespace are never sent to
+(:mod:`strata_operator.reports.receiver`). kube-system and the operator's own namespace are never sent to
 the webhook (namespaceSelector), so the cluster and the operator itself can always start.
 """
 
@@ -42,10 +42,10 @@ import asyncio
 import base64
 import copy
 import functools
+import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -55,18 +55,22 @@ from typing import Any, Literal
 import jsonpatch
 import kopf
 
-from strata_operator import api, certs, conditions, peer_admission, pod_checks
+from strata_operator import api, certs
 from strata_operator import constants as k
 from strata_operator import metrics as m
-from strata_operator.constants import DENIAL_PREFIX, MANAGED_BY, POD_WEBHOOK, POLICY_LABEL
-from strata_operator.mutation import (
+from strata_operator.admission import peer_admission, pod_checks
+from strata_operator.admission.mutation import (
     InjectionError,
     InjectionSettings,
     build_pod_patch,
     job_id_for,
 )
-from strata_operator.policy_cache import POLICY_READS, PolicyCache
-from strata_operator.workloads import build_workload_patch
+from strata_operator.admission.policy_cache import POLICY_READS, PolicyCache
+from strata_operator.admission.workloads import build_workload_patch
+from strata_operator.api import conditions
+from strata_operator.cluster import get_policy
+from strata_operator.constants import DENIAL_PREFIX, MANAGED_BY, POD_WEBHOOK, POLICY_LABEL
+from strata_operator.extension import Wiring
 
 log = logging.getLogger("strata.webhook")
 
@@ -284,7 +288,7 @@ class WebhookState:
     policies: PolicyCache = field(default_factory=PolicyCache)
 
     async def get_policy(self, namespace: str, name: str) -> dict[str, Any]:
-        """The CheckpointPolicy object (from the watch's cache, :mod:`strata_operator.policy_cache`;
+        """The CheckpointPolicy object (from the watch's cache, :mod:`strata_operator.admission.policy_cache`;
         a GET on a miss), or ``kopf.AdmissionError`` (403) naming it."""
         from kubernetes.client.exceptions import ApiException
 
@@ -300,28 +304,26 @@ class WebhookState:
             return cached
         POLICY_READS.labels(source="api").inc()
         try:
-            obj: dict[str, Any] = await asyncio.to_thread(
-                self.custom_api.get_namespaced_custom_object,
-                api.GROUP,
-                api.VERSION,
+            obj = await asyncio.to_thread(
+                get_policy,
+                self.custom_api,
                 namespace,
-                api.PLURAL,
                 name,
-                _request_timeout=max(1, self.options.timeout_seconds - 2),
+                timeout=max(1, self.options.timeout_seconds - 2),
             )
         except ApiException as exc:
-            if exc.status == 404:
-                raise kopf.AdmissionError(
-                    f"CheckpointPolicy {name!r} not found in namespace {namespace!r} (named by "
-                    f"{POLICY_LABEL}); create the policy first, or fix or remove the "
-                    f"{POLICY_LABEL} label/annotation",
-                    code=DENY_MISSING_POLICY,
-                ) from None
             raise kopf.AdmissionError(
                 f"cannot read CheckpointPolicy {namespace}/{name}: API error {exc.status} "
                 f"{exc.reason}",
                 code=503,
             ) from None
+        if obj is None:
+            raise kopf.AdmissionError(
+                f"CheckpointPolicy {name!r} not found in namespace {namespace!r} (named by "
+                f"{POLICY_LABEL}); create the policy first, or fix or remove the "
+                f"{POLICY_LABEL} label/annotation",
+                code=DENY_MISSING_POLICY,
+            )
         return obj
 
 
@@ -426,12 +428,12 @@ async def _admit_into(
     body: kopf.Body,
     patch: kopf.Patch,
     warnings: list[str],
-    memo: kopf.Memo,
+    state: WebhookState,
     build: Builder,
     policy_of: Callable[[dict[str, Any]], str | None],
     dryrun: bool,
 ) -> None:
-    ops = await _admit(kind, body, warnings, memo["webhook"], build, policy_of, dryrun)
+    ops = await _admit(kind, body, warnings, state, build, policy_of, dryrun)
     if ops:
         # kopf diffs the body before/after these functions into the response's JSON patch.
         patch.fns.append(functools.partial(_apply_ops, ops))
@@ -509,209 +511,175 @@ async def review_directly(
     }
 
 
-@kopf.on.mutate(
-    "", "v1", "pods", id=POD_WEBHOOK, operations=["CREATE"], labels={POLICY_LABEL: kopf.PRESENT}
-)
-async def inject_pod(
-    body: kopf.Body,
-    patch: kopf.Patch,
-    warnings: list[str],
-    memo: kopf.Memo,
-    dryrun: bool = False,
-    **_: Any,
-) -> None:
-    """Inject the Strata sidecar, volumes, env and mounts into a labelled pod."""
-    await _admit_into("Pod", body, patch, warnings, memo, _build_pod, _pod_policy, dryrun)
-
-
-def _register_workload(handler_id: str, group: str, version: str, plural: str) -> None:
-    kind = HANDLERS[handler_id][0]
-
-    async def label_workload(
-        body: kopf.Body,
-        patch: kopf.Patch,
-        warnings: list[str],
-        memo: kopf.Memo,
-        dryrun: bool = False,
-        **_: Any,
-    ) -> None:
-        await _admit_into(
-            kind, body, patch, warnings, memo, _build_workload, _workload_policy, dryrun
-        )
-
-    label_workload.__doc__ = f"Label the pod templates of a {kind} annotated with a policy."
-    label_workload.__name__ = f"label_{plural}"
-    kopf.on.mutate(group, version, plural, id=handler_id, operations=["CREATE"])(label_workload)
-
-
-for _hid, (_group, _version, _plural) in WORKLOAD_WEBHOOKS.items():
-    _register_workload(_hid, _group, _version, _plural)
-
-
-@kopf.on.startup()
-async def start_webhook_server(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Point kopf at our HTTPS server; the configuration is ours, not kopf's (module docstring)."""
-    state: WebhookState | None = memo.get("webhook")
-    if state is None:
-        raise kopf.PermanentError(
-            "strata_operator.webhook was imported but not configured; run it through "
-            "strata_operator.main.run()"
-        )
-    opts = state.options
-
-    async def write_config(ca_bundle: bytes, base_url: str | None) -> None:
-        body = build_webhook_configuration(opts, ca_bundle=ca_bundle, base_url=base_url)
-        await asyncio.to_thread(apply_webhook_configuration, state.admission_api, body)
-        log.info(
-            "MutatingWebhookConfiguration %s written (failurePolicy %s, caBundle sha %s)",
-            opts.configuration_name,
-            opts.failure_policy,
-            _short_digest(ca_bundle),
-        )
-
-    settings.admission.server = ManagedWebhookServer(
-        addr=opts.listen_host,
-        port=opts.port,
-        host=opts.url_host,
-        certfile=str(state.tls.certfile),
-        pkeyfile=str(state.tls.keyfile),
-        cafile=str(state.tls.cafile),
-        write_config=write_config if opts.manage_configuration else None,
-        fallback=functools.partial(review_directly, state),
-    )
-    settings.admission.managed = None
-
-
 def _short_digest(data: bytes) -> str:
-    import hashlib
-
     return hashlib.sha256(data).hexdigest()[:12]
 
 
-# --- command line (strata_operator.main extension hooks) -------------------------------------
+class Webhook:
+    """The admission role (an :class:`strata_operator.extension.Extension`): the pod and workload
+    webhooks, the policy cache that feeds them, and the HTTPS server that writes the webhook
+    configuration. Its run-time state is :attr:`state` (set by :meth:`configure`)."""
 
+    name = "webhook"
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("admission webhook")
-    g.add_argument("--webhook-port", type=int, default=9443, help="HTTPS port (default 9443)")
-    g.add_argument("--webhook-listen", default="0.0.0.0", help="bind address (default 0.0.0.0)")
-    g.add_argument(
-        "--webhook-host",
-        default="127.0.0.1",
-        help="host the apiserver uses in the webhook URL (default 127.0.0.1; local control "
-        "plane); ignored with --webhook-service",
-    )
-    g.add_argument(
-        "--webhook-service",
-        metavar="NS/NAME[:PORT]",
-        help="reach the webhook through this Service (in-cluster) instead of a URL",
-    )
-    g.add_argument("--webhook-config-name", default="strata.dev")
-    g.add_argument(
-        "--failure-policy",
-        choices=("Fail", "Ignore"),
-        default=os.environ.get("STRATA_FAILURE_POLICY", "Fail"),
-        help="when the webhook is unreachable: Fail refuses training pods, Ignore lets them "
-        "run unprotected (reported) (default %(default)s)",
-    )
-    g.add_argument("--webhook-timeout", type=int, default=5, metavar="SECONDS")
-    g.add_argument(
-        "--operator-namespace",
-        default=os.environ.get("POD_NAMESPACE", "strata-system"),
-        help="the operator's namespace, never sent to the webhook (default $POD_NAMESPACE)",
-    )
-    g.add_argument(
-        "--exclude-namespace",
-        action="append",
-        default=[],
-        help="another namespace never sent to the webhook (repeatable; kube-system always is)",
-    )
-    g.add_argument(
-        "--no-manage-webhook",
-        action="store_true",
-        help="do not write the MutatingWebhookConfiguration (a chart owns it)",
-    )
-    g.add_argument(
-        "--tls-dir",
-        type=Path,
-        help="directory of a mounted kubernetes.io/tls secret (tls.crt, tls.key, ca.crt); "
-        "default: generate a CA and certificate at start",
-    )
-    g.add_argument(
-        "--tls-workdir",
-        type=Path,
-        help="where generated certificates are written (default: a new temporary directory)",
-    )
-    g.add_argument(
-        "--tls-san",
-        action="append",
-        default=[],
-        help="extra DNS name or IP for the generated certificate (repeatable)",
-    )
-    g.add_argument("--sidecar-image", default=os.environ.get("STRATA_SIDECAR_IMAGE"))
-    g.add_argument(
-        "--sidecar-memory-overhead",
-        default="256Mi",
-        help="sidecar memory on top of the RAM tier (default %(default)s)",
-    )
+    def __init__(self, state: WebhookState | None = None) -> None:
+        self.state = state
 
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("admission webhook")
+        g.add_argument("--webhook-port", type=int, default=9443, help="HTTPS port (default 9443)")
+        g.add_argument("--webhook-listen", default="0.0.0.0", help="bind address (default 0.0.0.0)")
+        g.add_argument(
+            "--webhook-host",
+            default="127.0.0.1",
+            help="host the apiserver uses in the webhook URL (default 127.0.0.1; local control "
+            "plane); ignored with --webhook-service",
+        )
+        g.add_argument(
+            "--webhook-service",
+            metavar="NS/NAME[:PORT]",
+            help="reach the webhook through this Service (in-cluster) instead of a URL",
+        )
+        g.add_argument("--webhook-config-name", default="strata.dev")
+        g.add_argument(
+            "--failure-policy",
+            choices=("Fail", "Ignore"),
+            default=os.environ.get("STRATA_FAILURE_POLICY", "Fail"),
+            help="when the webhook is unreachable: Fail refuses training pods, Ignore lets them "
+            "run unprotected (reported) (default %(default)s)",
+        )
+        g.add_argument("--webhook-timeout", type=int, default=5, metavar="SECONDS")
+        g.add_argument(
+            "--operator-namespace",
+            default=os.environ.get("POD_NAMESPACE", "strata-system"),
+            help="the operator's namespace, never sent to the webhook (default $POD_NAMESPACE)",
+        )
+        g.add_argument(
+            "--exclude-namespace",
+            action="append",
+            default=[],
+            help="another namespace never sent to the webhook (repeatable; kube-system always is)",
+        )
+        g.add_argument(
+            "--no-manage-webhook",
+            action="store_true",
+            help="do not write the MutatingWebhookConfiguration (a chart owns it)",
+        )
+        g.add_argument("--sidecar-image", default=os.environ.get("STRATA_SIDECAR_IMAGE"))
+        g.add_argument(
+            "--sidecar-memory-overhead",
+            default="256Mi",
+            help="sidecar memory on top of the RAM tier (default %(default)s)",
+        )
 
-def _sans(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    import ipaddress
+    def configure(self, args: argparse.Namespace, wiring: Wiring) -> None:
+        """Build the webhook state (options, injection settings, API clients) from the flags
+        and the shared TLS files and report endpoint."""
+        from kubernetes import client
 
-    names = {"localhost", args.webhook_host, *args.tls_san}
-    if args.webhook_service:
-        ns, _, rest = args.webhook_service.partition("/")
-        svc = rest.partition(":")[0]
-        names |= {f"{svc}.{ns}.svc", f"{svc}.{ns}.svc.cluster.local"}
-    dns, ips = [], ["127.0.0.1"]
-    for n in names:
-        try:
-            ipaddress.ip_address(n)
-            ips.append(n)
-        except ValueError:
-            dns.append(n)
-    return tuple(sorted(set(dns))), tuple(sorted(set(ips)))
+        opts = WebhookOptions(
+            listen_host=args.webhook_listen,
+            port=args.webhook_port,
+            url_host=args.webhook_host,
+            service=args.webhook_service,
+            configuration_name=args.webhook_config_name,
+            failure_policy=args.failure_policy,
+            timeout_seconds=args.webhook_timeout,
+            excluded_namespaces=("kube-system", *args.exclude_namespace),
+            operator_namespace=args.operator_namespace,
+            manage_configuration=not args.no_manage_webhook,
+        )
+        report = wiring.report
+        injection = InjectionSettings(
+            **({"sidecar_image": args.sidecar_image} if args.sidecar_image else {}),
+            report_endpoint=report.url if report else None,
+            report_audience=report.audience if report else "strata.dev",
+            report_ca_pem=wiring.tls.ca_pem if report else None,
+            memory_overhead=args.sidecar_memory_overhead,
+        )
+        self.state = WebhookState(
+            options=opts,
+            injection=injection,
+            tls=wiring.tls,
+            custom_api=client.CustomObjectsApi(),
+            admission_api=client.AdmissionregistrationV1Api(),
+            core_api=client.CoreV1Api(),
+            batch_api=client.BatchV1Api(),
+        )
 
+    def register(self, registry: kopf.OperatorRegistry) -> None:
+        """The startup handler that installs the server, the policy watch of the cache, and
+        one ``on.mutate`` handler per webhook (ids: :data:`HANDLERS`)."""
+        state = self._state()
+        kopf.on.startup(id="start_webhook_server", registry=registry)(self.start_server)
+        kopf.on.event(api.GROUP, api.VERSION, api.PLURAL, id="policy_event", registry=registry)(
+            state.policies.policy_event
+        )
+        kopf.on.mutate(
+            "",
+            "v1",
+            "pods",
+            id=POD_WEBHOOK,
+            operations=["CREATE"],
+            labels={POLICY_LABEL: kopf.PRESENT},
+            registry=registry,
+        )(self._handler(POD_WEBHOOK))
+        for handler_id, (group, version, plural) in WORKLOAD_WEBHOOKS.items():
+            kopf.on.mutate(
+                group, version, plural, id=handler_id, operations=["CREATE"], registry=registry
+            )(self._handler(handler_id))
 
-def configure(args: argparse.Namespace, memo: kopf.Memo) -> None:
-    """Build the webhook state (TLS, injection settings, API clients) into ``memo``."""
-    from kubernetes import client, config
+    def _state(self) -> WebhookState:
+        if self.state is None:
+            raise RuntimeError("Webhook used before configure(); run it via main.run()")
+        return self.state
 
-    dns, ips = _sans(args)
-    workdir = args.tls_workdir or Path(tempfile.mkdtemp(prefix="strata-operator-tls-"))
-    tls = certs.load_or_generate(workdir, tls_dir=args.tls_dir, dns_names=dns, ip_addresses=ips)
-    opts = WebhookOptions(
-        listen_host=args.webhook_listen,
-        port=args.webhook_port,
-        url_host=args.webhook_host,
-        service=args.webhook_service,
-        configuration_name=args.webhook_config_name,
-        failure_policy=args.failure_policy,
-        timeout_seconds=args.webhook_timeout,
-        excluded_namespaces=("kube-system", *args.exclude_namespace),
-        operator_namespace=args.operator_namespace,
-        manage_configuration=not args.no_manage_webhook,
-    )
-    report_url = getattr(args, "report_url", None)
-    report_port = getattr(args, "report_port", 0)
-    if report_url is None and report_port:
-        report_url = f"https://{args.webhook_host}:{report_port}"
-    injection = InjectionSettings(
-        **({"sidecar_image": args.sidecar_image} if args.sidecar_image else {}),
-        report_endpoint=report_url,
-        report_audience=getattr(args, "report_audience", None) or "strata.dev",
-        report_ca_pem=tls.ca_pem if report_url else None,
-        memory_overhead=args.sidecar_memory_overhead,
-    )
-    config.load_config()  # type: ignore[no-untyped-call]
-    memo["webhook"] = WebhookState(
-        options=opts,
-        injection=injection,
-        tls=tls,
-        custom_api=client.CustomObjectsApi(),
-        admission_api=client.AdmissionregistrationV1Api(),
-        core_api=client.CoreV1Api(),
-        batch_api=client.BatchV1Api(),
-    )
-    memo["tls"] = tls
+    def _handler(self, handler_id: str) -> Callable[..., Coroutine[Any, Any, None]]:
+        """The ``on.mutate`` handler of one webhook: decide, then let kopf diff the patch in."""
+        kind, build, policy_of = HANDLERS[handler_id]
+        state = self._state()
+
+        async def admit(
+            body: kopf.Body,
+            patch: kopf.Patch,
+            warnings: list[str],
+            dryrun: bool = False,
+            **_: Any,
+        ) -> None:
+            await _admit_into(kind, body, patch, warnings, state, build, policy_of, dryrun)
+
+        admit.__name__ = admit.__qualname__ = handler_id.replace("-", "_")
+        admit.__doc__ = (
+            "Inject the Strata sidecar, volumes, env and mounts into a labelled pod."
+            if kind == "Pod"
+            else f"Label the pod templates of a {kind} annotated with a policy."
+        )
+        return admit
+
+    async def start_server(self, settings: kopf.OperatorSettings, **_: Any) -> None:
+        """Point kopf at our HTTPS server; the configuration is ours, not kopf's (module
+        docstring)."""
+        state = self._state()
+        opts = state.options
+
+        async def write_config(ca_bundle: bytes, base_url: str | None) -> None:
+            body = build_webhook_configuration(opts, ca_bundle=ca_bundle, base_url=base_url)
+            await asyncio.to_thread(apply_webhook_configuration, state.admission_api, body)
+            log.info(
+                "MutatingWebhookConfiguration %s written (failurePolicy %s, caBundle sha %s)",
+                opts.configuration_name,
+                opts.failure_policy,
+                _short_digest(ca_bundle),
+            )
+
+        settings.admission.server = ManagedWebhookServer(
+            addr=opts.listen_host,
+            port=opts.port,
+            host=opts.url_host,
+            certfile=str(state.tls.certfile),
+            pkeyfile=str(state.tls.keyfile),
+            cafile=str(state.tls.cafile),
+            write_config=write_config if opts.manage_configuration else None,
+            fallback=functools.partial(review_directly, state),
+        )
+        settings.admission.managed = None

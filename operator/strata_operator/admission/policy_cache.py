@@ -22,10 +22,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-import kopf
 from prometheus_client import Counter
-
-from strata_operator import api
 
 POLICY_READS = Counter(
     "strata_admission_policy_reads",
@@ -36,7 +33,7 @@ POLICY_READS = Counter(
 
 
 class PolicyCache:
-    """CheckpointPolicy objects by (namespace, name), fed by :func:`policy_event`.
+    """CheckpointPolicy objects by (namespace, name), fed by :meth:`policy_event`.
 
     Values are plain dicts (deep copies of the watch's bodies); callers must not mutate them.
     """
@@ -62,11 +59,7 @@ class PolicyCache:
             return
         self._items[key] = copy.deepcopy(dict(body))
 
-
-@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-async def policy_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-    """Keep ``memo["webhook"].policies`` in step with the operator's CheckpointPolicy watch."""
-    state = memo.get("webhook")
-    cache: PolicyCache | None = getattr(state, "policies", None)
-    if cache is not None:
-        cache.observe(type, body)
+    async def policy_event(self, body: Mapping[str, Any], type: str | None, **_: Any) -> None:
+        """kopf event handler of the CheckpointPolicy watch (registered by the webhook role):
+        keeps this cache in step with it."""
+        self.observe(type, body)

@@ -1,0 +1,127 @@
+"""The translation policy -> sidecar contract: a parsed ``CheckpointPolicySpec`` becomes the
+:class:`strata.config.StrataConfig` that the webhook hands to the sidecar and the client.
+
+Rule: pure (no Kubernetes calls, no kopf); it reads the API models and writes the data plane's
+configuration types, and nothing else of the operator imports ``strata.config`` to build one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from strata.config import (
+    DEFAULT_PVC_DIR,
+    DEFAULT_RAM_DIR,
+    TIER_ORDER,
+    GcsTierConfig,
+    Interval,
+    PvcTierConfig,
+    RamTierConfig,
+    ReportConfig,
+    RestoreConfig,
+    StrataConfig,
+)
+from strata.peers.config import PeerEndpoint, PeersConfig
+from strata_operator.api.models import CheckpointPolicySpec, DurableTierSpec, EverySpec, PeersSpec
+from strata_operator.api.validation import quantity_bytes
+
+
+def to_sidecar_config(
+    spec: CheckpointPolicySpec,
+    job_id: str,
+    *,
+    policy: str | None = None,
+    namespace: str | None = None,
+    report_endpoint: str | None = None,
+    report_ca_path: str | None = None,
+    ram_path: str = DEFAULT_RAM_DIR,
+    pvc_path: str = DEFAULT_PVC_DIR,
+    termination_grace_seconds: float | None = None,
+    peers: Sequence[Mapping[str, str]] | None = None,
+) -> StrataConfig:
+    """Map a policy spec to the sidecar/client contract (:class:`strata.config.StrataConfig`).
+
+    Pure: no Kubernetes calls. ``job_id`` is ``<namespace>.<workload>`` or the run-id annotation.
+    ``ram_path``/``pvc_path`` are where the webhook mounts the tiers in the containers.
+    ``termination_grace_seconds`` is the pod's effective grace period (seconds) when the caller
+    knows it; otherwise the policy's ``sidecar.terminationGracePeriodSeconds``, else 30.
+    Pod identity (name, uid, node) comes from the downward API at run time, not from here.
+
+    ``peers``: the workload's ``[{id, address}]``
+    (:func:`strata_operator.admission.peers.workload_peers`), used when the policy has
+    ``spec.peers``.
+
+    Errors: pydantic ``ValidationError`` when ``job_id`` is not a valid job id.
+    """
+    tiers = spec.tiers
+    ram = RamTierConfig(
+        path=ram_path,
+        medium=tiers.ram.medium,
+        size_limit_bytes=quantity_bytes(tiers.ram.size_limit),
+        keep=tiers.ram.keep,
+        every=Interval(steps=tiers.ram.every.steps),
+    )
+    pvc = None
+    if tiers.pvc is not None:
+        pvc = PvcTierConfig(
+            path=pvc_path,
+            claim_name=tiers.pvc.claim_name,
+            sub_path=tiers.pvc.sub_path,
+            keep=tiers.pvc.keep,
+            every=_interval(tiers.pvc.every),
+            components=_components(tiers.pvc),
+            incremental=tiers.pvc.incremental,
+        )
+    gcs = None
+    if tiers.gcs is not None:
+        gcs = GcsTierConfig(
+            bucket=tiers.gcs.bucket,
+            prefix=tiers.gcs.prefix,
+            keep=tiers.gcs.keep,
+            every=_interval(tiers.gcs.every),
+            components=_components(tiers.gcs),
+            incremental=tiers.gcs.incremental,
+        )
+    grace = termination_grace_seconds
+    if grace is None:
+        grace = float(spec.sidecar.termination_grace_period_seconds or 30)
+    return StrataConfig(
+        job_id=job_id,
+        policy=policy,
+        namespace=namespace,
+        ram=ram,
+        pvc=pvc,
+        gcs=gcs,
+        restore=RestoreConfig(
+            order=tuple(spec.restore.order) if spec.restore.order else tuple(TIER_ORDER),
+            verify=spec.restore.verify,
+            allow_fresh_start=spec.restore.allow_fresh_start,
+        ),
+        report=ReportConfig(endpoint=report_endpoint, ca_path=report_ca_path),
+        metrics_port=spec.sidecar.ports.metrics,
+        component_every=dict(spec.component_every) if spec.component_every else None,
+        termination_grace_seconds=grace,
+        peers=_peers_config(spec.peers, peers or ()),
+    )
+
+
+def _interval(every: EverySpec) -> Interval:
+    return Interval(steps=every.steps, seconds=every.seconds)
+
+
+def _components(tier: DurableTierSpec) -> tuple[str, ...] | None:
+    return tuple(tier.components) if tier.components else None
+
+
+def _peers_config(spec: PeersSpec | None, peers: Sequence[Mapping[str, str]]) -> PeersConfig | None:
+    if spec is None:
+        return None
+    return PeersConfig(
+        mode=spec.mode,
+        copies=spec.copies,
+        data_shards=spec.data_shards,
+        parity_shards=spec.parity_shards,
+        bandwidth_bytes_per_second=spec.bandwidth,
+        port=spec.port,
+        peers=tuple(PeerEndpoint(id=p["id"], address=p["address"]) for p in peers),
+    )
