@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from strata.errors import StrataError
 from strata_operator import api
 from strata_operator.api import conditions as c
+from strata_operator.api.events import EventSpec
 from strata_operator.constants import COMPONENT, FIELD_MANAGER
+
+__all__ = ["ClusterWriteFailed", "EventSpec", "StatusWriter", "get_policy", "post_event"]
 
 log = logging.getLogger("strata.operator.cluster")
 
@@ -46,18 +48,6 @@ class ClusterWriteFailed(StrataError):
         super().__init__(message)
         self.message = message
         self.status = status
-
-
-@dataclass(frozen=True)
-class EventSpec:
-    """A core/v1 Event to post: ``type`` (Normal | Warning), CamelCase ``reason``, ``message``
-    (at most 1,024 characters are posted)."""
-
-    type: str
-    reason: str
-    message: str
-    key: str = ""
-    """Identity of what the event is about (job, pod, rank, time): a re-sent report repeats it."""
 
 
 def get_policy(

@@ -7,7 +7,7 @@ Handlers (each its own webhook in the configuration, addressed by its kopf handl
 * ``label-jobs``, ``label-jobsets``, ``label-pytorchjobs``: Jobs, JobSets and PyTorchJobs on
   CREATE carrying the annotation ``strata.dev/policy`` (a CEL ``matchCondition``, because an
   objectSelector sees labels only) get the label on every pod template
-  (:func:`strata_operator.admission.mutation.build_workload_patch`).
+  (:func:`strata_operator.admission.workloads.build_workload_patch`).
 
 A policy that does not exist in the object's namespace is a denial (HTTP 403) whose message names
 the policy and the namespace; a pod or policy that cannot be injected is a denial (422) that says
@@ -33,6 +33,12 @@ training pods with the apiserver's "failed calling webhook inject-pods.strata.de
 ``Ignore`` lets them start uninjected, and the operator reports them when it is back
 (:mod:`strata_operator.reports.receiver`). kube-system and the operator's own namespace are never sent to
 the webhook (namespaceSelector), so the cluster and the operator itself can always start.
+
+The role joins the operator as :class:`Webhook` (an :class:`strata_operator.extension.Extension`):
+it declares the ``--webhook-*`` and ``--sidecar-*`` flags, takes the TLS files and the report
+endpoint from the :class:`~strata_operator.extension.Wiring`, and registers its handlers into
+the registry ``main`` gives it. Domain errors (``InjectionError``) become
+``kopf.AdmissionError`` here and nowhere else.
 """
 
 from __future__ import annotations
@@ -276,7 +282,7 @@ class ManagedWebhookServer(kopf.WebhookServer):
 
 @dataclass
 class WebhookState:
-    """What the handlers need at run time (kept in kopf's memo as ``memo["webhook"]``)."""
+    """What the handlers need at run time (:attr:`Webhook.state`)."""
 
     options: WebhookOptions
     injection: InjectionSettings

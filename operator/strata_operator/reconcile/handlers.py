@@ -41,12 +41,12 @@ from strata_operator.cluster import (
 )
 from strata_operator.extension import Wiring
 from strata_operator.reconcile.dependencies import PVC, SECRET, DependencyIndex, Kind
+from strata_operator.reconcile.facts import gather
 from strata_operator.reconcile.policy import (
     InvalidSpec,
     Outcome,
     ReconcileError,
     evaluate,
-    gather,
     invalid,
     new_status,
     parse_spec,

@@ -15,7 +15,7 @@ from typing import Any
 from strata.reports import SidecarReport
 from strata_operator import api
 from strata_operator.api import conditions as c
-from strata_operator.cluster import EventSpec
+from strata_operator.api.events import EventSpec
 from strata_operator.constants import (
     EVENT_FRESH_START,
     EVENT_RESTORE_FAILED,

@@ -38,6 +38,12 @@ re-sent report does not repeat them.
 Pods labelled for a policy but running without the sidecar (the webhook was skipped under
 ``failurePolicy: Ignore``, C-10) get a ``NotProtected`` Warning Event, on the pod and on the
 policy, once per pod.
+
+The role joins the operator as :class:`ReportReceiver` (an
+:class:`strata_operator.extension.Extension`): it declares the ``--report-*``, ``--status-interval``
+and ``--metrics-*`` flags, takes the TLS files from the :class:`~strata_operator.extension.Wiring`,
+and registers its startup/cleanup handlers and the labelled-pod watch. The status and the Events
+are written through :mod:`strata_operator.cluster`.
 """
 
 from __future__ import annotations
@@ -116,7 +122,7 @@ class PodFacts:
 
 @dataclass
 class ReceiverState:
-    """Run-time state of the receiver (``memo["receiver"]``)."""
+    """Run-time state of the receiver (:attr:`ReportReceiver.state`)."""
 
     host: str
     port: int
