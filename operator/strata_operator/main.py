@@ -200,6 +200,21 @@ def use_kubeconfig(path: str) -> None:
             setattr(module, "KUBE_CONFIG_DEFAULT_LOCATION", path)  # noqa: B010
 
 
+def build_registry(
+    args: argparse.Namespace, wiring: Wiring, extensions: Sequence[Extension]
+) -> kopf.OperatorRegistry:
+    """A fresh kopf registry holding the operator's own handlers (login through the kubernetes
+    client's configuration, :func:`tune_kopf`) and, after configuring each, every extension's."""
+    registry = kopf.OperatorRegistry()
+    # kopf's implicit default registry logs in this way; an explicit registry says so itself.
+    kopf.on.login(id="login_via_client", registry=registry)(kopf.login_via_client)
+    kopf.on.startup(id="tune_kopf", registry=registry)(tune_kopf)
+    for ext in extensions:
+        ext.configure(args, wiring)
+        ext.register(registry)
+    return registry
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the operator until SIGINT/SIGTERM; returns the exit code."""
     from kubernetes import config
@@ -211,11 +226,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose, debug=args.debug)
     config.load_config()  # type: ignore[no-untyped-call]
     wiring = build_wiring(args)
-    registry = kopf.OperatorRegistry()
-    kopf.on.startup(id="tune_kopf", registry=registry)(tune_kopf)
-    for ext in extensions:
-        ext.configure(args, wiring)
-        ext.register(registry)
+    registry = build_registry(args, wiring, extensions)
     namespaces = tuple(args.namespace)
     kopf.run(
         registry=registry,
