@@ -37,12 +37,12 @@ from kubernetes import client
 
 from e2e.cluster import REPO_ROOT, Binaries, LocalCluster, free_port, loopback_env
 from e2e.operator_fixtures import ensure_namespace, wait_established
-from strata_operator.admission.mutation import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_NAME
-from strata_operator.admission.webhook import (
+from strata_operator.admission.configuration import (
     WebhookOptions,
     apply_webhook_configuration,
     build_webhook_configuration,
 )
+from strata_operator.admission.mutation import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_NAME
 
 pytestmark = pytest.mark.e2e
 

@@ -4,10 +4,10 @@
 
 Rule: the only module that knows every role. It lists the roles as
 :class:`strata_operator.extension.Extension` objects (:func:`default_extensions`: reconcile,
-admission webhook, report receiver), builds what they share (:class:`~strata_operator.extension.Wiring`:
-the TLS files of the HTTPS servers, where sidecars send reports), configures each, lets each
-register its kopf handlers into one explicit ``kopf.OperatorRegistry``, and runs kopf with it.
-Nothing is registered by importing a module.
+admission webhook, report receiver), builds what they share
+(:class:`~strata_operator.extension.Wiring`: the TLS files of the HTTPS servers, where sidecars send
+reports), configures each, lets each register its kopf handlers into one explicit
+``kopf.OperatorRegistry``, and runs kopf with it. Nothing is registered by importing a module.
 
 Kopf settings (:func:`tune_kopf`): progress and diff-base in ``strata.dev/*`` annotations (the
 diff base is a digest of the spec, see :class:`GenerationDiffBaseStorage`); nothing in status,

@@ -14,14 +14,13 @@ import pytest
 from cryptography import x509
 
 from strata_operator import certs
-from strata_operator.admission.mutation import InjectionSettings
-from strata_operator.admission.webhook import (
+from strata_operator.admission.configuration import (
     WORKLOAD_WEBHOOKS,
     WebhookOptions,
-    WebhookState,
     build_webhook_configuration,
-    review_directly,
 )
+from strata_operator.admission.mutation import InjectionSettings
+from strata_operator.admission.webhook import WebhookState, review_directly
 from tests.fixtures.pods import jobset_obj, policy_obj
 
 pytestmark = pytest.mark.unit

@@ -1,7 +1,8 @@
 """Pod and workload mutation as pure functions: object in, RFC 6902 JSON patch out.
 
-The admission handlers in :mod:`strata_operator.admission.webhook` only wire these functions; everything a
-pod gets from Strata is decided here, without a cluster, so it is unit tested as plain data.
+The admission handlers in :mod:`strata_operator.admission.webhook` only wire these functions;
+everything a pod gets from Strata is decided here, without a cluster, so it is unit tested as plain
+data.
 
 What an injected pod gets (every name below is a constant of :mod:`strata_operator.constants`):
 
@@ -46,16 +47,16 @@ variable                              label
 ====================================  ==============================================
 
 The patch only adds (plus raising the grace period, and pod-level ``spec.resources`` by the
-sidecar's share when the pod sets them): existing init containers, native sidecars, env, mounts
-and unknown fields stay as they are. A pod that already uses one of Strata's names (container,
-volume, mount path, env, port, annotation) or that cannot run the sidecar (Windows) is refused,
-never silently half-injected (:mod:`strata_operator.admission.pod_checks`). It is idempotent: an injected
+sidecar's share when the pod sets them): existing init containers, native sidecars, env, mounts and
+unknown fields stay as they are. A pod that already uses one of Strata's names (container, volume,
+mount path, env, port, annotation) or that cannot run the sidecar (Windows) is refused, never
+silently half-injected (:mod:`strata_operator.admission.pod_checks`). It is idempotent: an injected
 pod only gets what is missing, so applying the patch and calling :func:`build_pod_patch` again
-yields ``[]``. Names are constants of :mod:`strata_operator.constants`. Rule of this module:
-pure (no Kubernetes calls, no kopf). A pod that
-meets the restricted Pod Security Standard still meets it after injection with the ``Memory``
-medium: the sidecar runs as non-root, without privilege escalation, with all capabilities dropped
-and the ``RuntimeDefault`` seccomp profile, and it declares no host port.
+yields ``[]``. Names are constants of :mod:`strata_operator.constants`. Rule of this module: pure
+(no Kubernetes calls, no kopf). A pod that meets the restricted Pod Security Standard still meets it
+after injection with the ``Memory`` medium: the sidecar runs as non-root, without privilege
+escalation, with all capabilities dropped and the ``RuntimeDefault`` seccomp profile, and it
+declares no host port.
 
 Errors: :class:`InjectionError` (a clear message naming the object and the setting) when a pod
 cannot be injected; the webhook turns it into a 4xx admission denial.

@@ -1,10 +1,11 @@
 """Workload mutation as pure functions: label the pod templates of an annotated workload.
 
 A JobSet, PyTorchJob or Job annotated ``strata.dev/policy: <name>`` gets the label on every pod
-template, so that its pods reach the pod webhook (:mod:`strata_operator.admission.mutation`). Rule of this
-module: pure (object in, RFC 6902 patch out), no Kubernetes calls, no kopf.
+template, so that its pods reach the pod webhook (:mod:`strata_operator.admission.mutation`). Rule
+of this module: pure (object in, RFC 6902 patch out), no Kubernetes calls, no kopf.
 
-Errors: :class:`strata_operator.admission.mutation.InjectionError` with a message saying what to change.
+Errors: :class:`strata_operator.admission.mutation.InjectionError` with a message saying what to
+change.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ Kubernetes-exact parsers and value rules (:mod:`~strata_operator.api.validation`
 ``metav1.Condition`` helpers (:mod:`~strata_operator.api.conditions`); no I/O, no Kubernetes
 client, no kopf, and nothing of the operator above :mod:`strata_operator.constants`.
 
-This package re-exports the models and the API's names (``api.GROUP``, ``api.CheckpointPolicySpec``),
-so that ``from strata_operator import api`` is the one way to spell them.
+This package re-exports the models and the API's names (``api.GROUP``,
+``api.CheckpointPolicySpec``), so that ``from strata_operator import api`` is the one way to spell
+them.
 """
 
 from strata_operator.api.models import (

@@ -1,10 +1,10 @@
 """``metav1.Condition`` helpers for ``CheckpointPolicy.status.conditions`` (the JobSet way).
 
-Condition types and reasons are constants in :mod:`strata_operator.constants` (CamelCase reasons, machine-readable); the message is
-for humans and says what to fix. :func:`set_condition` keeps ``lastTransitionTime`` when the
-status did not change (Kubernetes API conventions: it is the time of the last *transition*,
-not of the last check), so a reconcile that finds nothing new changes nothing but
-``observedGeneration``.
+Condition types and reasons are constants in :mod:`strata_operator.constants` (CamelCase reasons,
+machine-readable); the message is for humans and says what to fix. :func:`set_condition` keeps
+``lastTransitionTime`` when the status did not change (Kubernetes API conventions: it is the time of
+the last *transition*, not of the last check), so a reconcile that finds nothing new changes nothing
+but ``observedGeneration``.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ stored objects with them; :mod:`strata_operator.sidecar_config` maps a parsed sp
 sidecar contract. The Kubernetes JSON uses camelCase (``sizeLimit``); Python uses
 snake_case (``size_limit``); both are accepted on input (``populate_by_name``).
 
-Value rules live in :mod:`strata_operator.api.validation`. Every cross-field rule exists
-twice, with the same message: as a CEL ``x-kubernetes-validations`` rule that the apiserver enforces on create/update, and as a pydantic validator that the operator
-applies to what is stored (objects written before a stricter CRD, or with validation bypassed).
-The messages say what to fix. :data:`RULES` holds both halves side by side.
+Value rules live in :mod:`strata_operator.api.validation`. Every cross-field rule exists twice, with
+the same message: as a CEL ``x-kubernetes-validations`` rule that the apiserver enforces on
+create/update, and as a pydantic validator that the operator applies to what is stored (objects
+written before a stricter CRD, or with validation bypassed). The messages say what to fix.
+:data:`RULES` holds both halves side by side.
 
 Example::
 

@@ -14,6 +14,9 @@ Common flags: ``--kubeconfig``, ``--context``, ``-n/--namespace``, ``-A/--all-na
 ``-o table|json|yaml``. Installed with the package (``pip install 'strata[operator]'``: it needs
 the Kubernetes client); never imports torch (this package's import contract).
 
+Rule: an entry point beside :mod:`strata_operator.main`: it reads the cluster and the API models
+and reuses the admission's pure naming (``job_id_for``); nothing in the operator imports it.
+
 Exit codes: 0 success; 1 ``verify``: a bad copy was found (the verification's own exit code is
 passed through: 1 bad copy, 3 nothing found, 4 a tier unreadable); 2 usage error; 3 not found
 (no such policy or job); 5 the cluster could not be reached or refused (RBAC); 6 ``verify``: the

@@ -2,9 +2,9 @@
 
 A policy waiting for its PVC (or its credentials Secret) is Ready=False and kopf retries it after
 ``--dependency-retry`` seconds; creating the PVC does not touch the policy, so without help its
-status would stay stale until that retry. The operator watches PVCs (and, with
-``--watch-secrets``, Secrets), looks up the policies that name the changed object here, and
-reconciles them right away (:meth:`strata_operator.reconcile.handlers.PolicyReconciler.recheck_dependents`).
+status would stay stale until that retry. The operator watches PVCs (and, with ``--watch-secrets``,
+Secrets), looks up the policies that name the changed object here, and reconciles them right away
+(:meth:`strata_operator.reconcile.handlers.PolicyReconciler.recheck_dependents`).
 
 Rule of this module: pure bookkeeping (no Kubernetes calls, no kopf); thread-safe, because kopf
 runs the synchronous reconcile handler in worker threads.

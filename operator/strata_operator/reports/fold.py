@@ -2,8 +2,8 @@
 
 :func:`fold_report` takes the current ``status.jobs`` and one :class:`strata.reports.SidecarReport`
 and returns the new list plus the Events the report warrants (:class:`EventSpec`). The report
-receiver (:mod:`strata_operator.reports.receiver`) folds the reports of one status interval with it into
-one status patch (:mod:`strata_operator.reports.coalescer`); the unit tests call it directly.
+receiver (:mod:`strata_operator.reports.receiver`) folds the reports of one status interval with it
+into one status patch (:mod:`strata_operator.reports.coalescer`); the unit tests call it directly.
 """
 
 from __future__ import annotations

@@ -19,21 +19,20 @@ order, and a failure is answered with the status below and counted in
    labelled pods last saw it (a GET when the watch has not seen it);
 6. the policy exists (404 ``policy-not-found``).
 
-Reports are coalesced (:mod:`strata_operator.reports.coalescer`): the reports queued for one policy are
-folded in memory into ONE status patch, at most one per ``--status-interval`` seconds (1 s), and
+Reports are coalesced (:mod:`strata_operator.reports.coalescer`): the reports queued for one policy
+are folded in memory into ONE status patch, at most one per ``--status-interval`` seconds (1 s), and
 each request is answered when the patch holding its report is written (so status and Events are
-visible when the sidecar gets its 202). 1,000 ranks reporting every 10 s cost about one status
-write per second, and a report's latency does not grow with the number queued.
+visible when the sidecar gets its 202). 1,000 ranks reporting every 10 s cost about one status write
+per second, and a report's latency does not grow with the number queued.
 
 Accepted reports are folded (:func:`strata_operator.reports.fold.fold_report`, pure) into
-``status.jobs[]``: one entry per job id, newest first, at most :data:`strata_operator.api.MAX_JOBS`; each with the newest complete step
-per tier, the last restore (tier, step, seconds, outcome, time) and the last error; and
-``status.newestCompleteStep`` of the job reported last (printer columns). The status is written
-with a merge patch guarded by ``resourceVersion`` (a conflict re-reads and re-folds the batch),
-then Events
-are posted on the policy: ``Restored`` (Normal), ``FreshStart``/``RestoreFailed``/``TierFailed``
-(Warning), each only for restores and errors newer than what the status already held, so a
-re-sent report does not repeat them.
+``status.jobs[]``: one entry per job id, newest first, at most :data:`strata_operator.api.MAX_JOBS`;
+each with the newest complete step per tier, the last restore (tier, step, seconds, outcome, time)
+and the last error; and ``status.newestCompleteStep`` of the job reported last (printer columns).
+The status is written with a merge patch guarded by ``resourceVersion`` (a conflict re-reads and
+re-folds the batch), then Events are posted on the policy: ``Restored`` (Normal),
+``FreshStart``/``RestoreFailed``/``TierFailed`` (Warning), each only for restores and errors newer
+than what the status already held, so a re-sent report does not repeat them.
 
 Pods labelled for a policy but running without the sidecar (the webhook was skipped under
 ``failurePolicy: Ignore``, C-10) get a ``NotProtected`` Warning Event, on the pod and on the
