@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from strata.errors import ShardCorrupt
+from strata.errors import RestoreError, ShardCorrupt
 from strata.format import codec, crc
 from strata.format.manifest import Manifest, StorageEntry, TensorEntry
 
@@ -169,7 +169,11 @@ class _OnePass:
         off = se.offset + te.storage_offset * itemsize
         if live.device.type == "cuda":
             if self._host is None and self.device_source is not None:
-                self._host = self.device_source() or False
+                # Never ``device_source() or False``: that calls bool() on a multi-element
+                # tensor (RuntimeError: ambiguous), failing every restore that registration
+                # made fast.
+                host = self.device_source()
+                self._host = host if host is not None else False
                 self.device_source = None
             if self._host is False or self._host is None:
                 return False
@@ -409,3 +413,38 @@ def load_shard(
                 "quarantine it and restore from another tier"
             )
     return LoadOutcome(tree, crcs, whole, one.fast_bytes, one.cuda)
+
+
+LoadFailure = tuple[bool, str] | None
+"""One rank's outcome of loading its shard, as exchanged with the other ranks: None (loaded),
+``(False, why)`` (a corrupt copy: quarantined, every rank re-plans) or ``(True, why)`` (any
+other failure: every rank's restore raises)."""
+
+
+def load_failure(exc: BaseException | None) -> LoadFailure:
+    """This rank's :data:`LoadFailure` for the exception its load raised (None: it loaded)."""
+    if exc is None:
+        return None
+    return (not isinstance(exc, ShardCorrupt), f"{type(exc).__name__}: {exc}")
+
+
+def settle_load(
+    outcomes: list[LoadFailure], rank: int, step: int, own: BaseException | None
+) -> bool:
+    """Decide a load of ``step`` from every rank's :data:`LoadFailure` (``outcomes``, by rank,
+    gathered by every rank: so every rank decides the same; a rank that raised without taking
+    part in that gather would leave the others waiting in it for ever). ``own``: this rank's
+    exception. Returns True when every rank loaded, False when some copy was corrupt (re-plan).
+    Raises ``own`` when it is a failure other than a corrupt copy (a state that does not fit
+    the checkpoint keeps its :class:`strata.errors.CodecError`), else :class:`RestoreError`
+    naming the ranks whose load failed so."""
+    if own is not None and not isinstance(own, ShardCorrupt):
+        raise own
+    fatal = [f"rank {r}: {o[1]}" for r, o in enumerate(outcomes) if o is not None and o[0]]
+    if fatal:
+        raise RestoreError(
+            f"step {step} could not be loaded on every rank ({'; '.join(fatal)}); rank {rank} "
+            "stops its restore too (its state may be partly loaded): fix the failing rank and "
+            "call restore() again"
+        )
+    return all(o is None for o in outcomes)
