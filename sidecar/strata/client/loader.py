@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from strata.client import device as devices
+from strata.client.device import Stream
 from strata.errors import RestoreError, ShardCorrupt
 from strata.format import codec, crc
 from strata.format.manifest import Manifest, StorageEntry, TensorEntry
@@ -143,7 +145,10 @@ class _OnePass:
         self.m = manifest
         self.device_source = device_source
         self._host: torch.Tensor | bool | None = None
-        self.device_pending: list[tuple[int, torch.Tensor]] = []
+        self.device_pending: list[tuple[int, torch.Tensor, int]] = []
+        """(offset in the shard, live device tensor, its device index) to copy host-to-device."""
+        self.dev = devices.active()
+        self._streams: dict[int, Stream] = {}
         self.base = base
         self.pool = pool
         self.workers = max(1, workers)
@@ -160,25 +165,27 @@ class _OnePass:
         """Take a saved tensor (entries checked by the codec, same dtype and shape as ``live``)
         when it can be copied as raw bytes: the saved view contiguous, ``live`` a contiguous CPU
         tensor, or a contiguous CUDA tensor when ``device_source`` gives a host view."""
-        if live.device.type == "cuda":
+        index = self.dev.index_of(live)
+        if index is not None:
             self.cuda = True
         if not live.is_contiguous() or te.stride != _contiguous_stride(te.shape):
             return False
         itemsize = live.element_size()
         n = live.numel() * itemsize
         off = se.offset + te.storage_offset * itemsize
-        if live.device.type == "cuda":
+        if index is not None:
             if self._host is None and self.device_source is not None:
                 # Never ``device_source() or False``: that calls bool() on a multi-element
                 # tensor (RuntimeError: ambiguous), failing every restore that registration
-                # made fast.
-                host = self.device_source()
+                # made fast. The state's device is current while the slot is registered.
+                with self.dev.using(index):
+                    host = self.device_source()
                 self._host = host if host is not None else False
                 self.device_source = None
             if self._host is False or self._host is None:
                 return False
             if n:
-                self.device_pending.append((off, live))
+                self.device_pending.append((off, live, index))
                 self.fast_bytes += n
             return True
         if live.device.type != "cpu":
@@ -221,15 +228,31 @@ class _OnePass:
             return lambda: None
         host = self._host
         assert isinstance(host, torch.Tensor)
-        device = self.device_pending[0][1].device
-        stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for off, live in self.device_pending:
+        dev = self.dev
+        by_device: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for off, live, index in self.device_pending:
+            by_device.setdefault(index, []).append((off, live))
+        events = []
+        # One side stream and event per device: a copy enqueued on another device's stream
+        # would run on its own device's current stream, unordered with the event waited for.
+        for index, pieces in sorted(by_device.items()):
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = dev.stream(index)
+            stream.wait_stream(dev.current_stream(index))
+            for off, live in pieces:
                 n = live.numel() * live.element_size()
-                live.view(-1).view(torch.uint8).copy_(host[off : off + n], non_blocking=True)
+                dev.copy(live, host[off : off + n], stream)
+            event = dev.event(index)
+            event.record(stream)
+            events.append(event)
         self.device_pending = []
-        return stream.synchronize
+
+        def wait() -> None:
+            for event in events:
+                event.synchronize()
+
+        return wait
 
     def finish(self) -> tuple[list[int], int]:
         """Flush, then checksum the chunks no copy touched; (chunk CRCs, whole-object CRC);
