@@ -132,6 +132,15 @@ class Device(Protocol):
         after the copy otherwise."""
         ...
 
+    def wire_on_device(self, backend: str) -> bool:
+        """Whether a process group of ``backend`` (``dist.get_backend``) carries its
+        point-to-point tensors in device memory (NCCL: only there)."""
+        ...
+
+    def empty_like(self, t: torch.Tensor, index: int | None) -> torch.Tensor:
+        """A new contiguous tensor of ``t``'s dtype and shape on device ``index`` (None: host)."""
+        ...
+
 
 # --------------------------------------------------------------------------------------- CUDA
 
@@ -240,6 +249,13 @@ class CudaDevice:
             if index is not None and torch.cuda.current_device() != index:
                 raise DeviceError(f"a copy for device {index} ran on another device")
             dst.copy_(src, non_blocking=True)
+
+    def wire_on_device(self, backend: str) -> bool:
+        return "nccl" in backend
+
+    def empty_like(self, t: torch.Tensor, index: int | None) -> torch.Tensor:
+        where = torch.device("cpu") if index is None else torch.device("cuda", index)
+        return torch.empty(t.shape, dtype=t.dtype, device=where)
 
 
 # ----------------------------------------------------------------------------------- stand-in
@@ -352,7 +368,10 @@ class StandInDevice:
     always shows as bytes not yet in place. ``register_error``: when set, every
     :meth:`register_host` fails with this CUDA error code. ``registrations`` records every
     successful call as ``addr -> (nbytes, current device during the call, flags)``;
-    ``register_calls`` counts calls (failed ones too).
+    ``register_calls`` counts calls (failed ones too). ``nccl``: process groups are taken to
+    carry device tensors only (:meth:`wire_on_device`), as an NCCL-only job's does, whatever
+    their backend (a gloo group then carries the stand-in's device tensors, which are CPU
+    memory): the NCCL logic of the replica exchange runs on gloo.
     """
 
     name = "stand-in"
@@ -364,8 +383,10 @@ class StandInDevice:
         latency_s: float = 0.0,
         hold: bool = False,
         register_error: int | None = None,
+        nccl: bool = False,
     ) -> None:
         self.devices = devices
+        self.nccl = nccl
         self.latency_s = latency_s
         self.hold = hold
         self.register_error = register_error
@@ -376,6 +397,8 @@ class StandInDevice:
         self.register_calls = 0
         self.copies: list[tuple[int, str]] = []
         """Every copy: (device index, "d2h" | "h2d"), in enqueue order."""
+        self.pinned_copies = 0
+        """Copies whose host side was registered (asynchronous, at the link's speed)."""
         self._owned: dict[int, tuple[int, torch.UntypedStorage]] = {}
         """Storage address -> (device index, the storage, held so the address stays its)."""
         self._local = threading.local()
@@ -486,6 +509,8 @@ class StandInDevice:
         host = src if si is None else dst
         self.copies.append((index, "d2h" if si is not None else "h2d"))
         pinned = self.is_registered(host.data_ptr(), host.numel() * host.element_size())
+        if pinned:
+            self.pinned_copies += 1
         src_bytes = src.detach().reshape(-1).view(torch.uint8)
 
         def run() -> None:
@@ -495,6 +520,13 @@ class StandInDevice:
         if not pinned:  # pageable memory: CUDA copies synchronously
             s.wait_for(seq)
 
+    def wire_on_device(self, backend: str) -> bool:
+        return self.nccl or "nccl" in backend
+
+    def empty_like(self, t: torch.Tensor, index: int | None) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype)
+        return out if index is None else self.tensor(out, index)
+
     def close(self) -> None:
         """Stop the stream workers (after the work queued so far)."""
         with self._lock:
@@ -502,6 +534,24 @@ class StandInDevice:
             self._streams = []
         for s in streams:
             s.close()
+
+
+def copy_now(dev: Device, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst`` (contiguous, same bytes; one on a device, one on the host)
+    through ``dev`` on a side stream of the device side that waits for its current stream, and
+    return when the bytes are in place. Raises :class:`DeviceError` when neither side is a
+    device tensor of ``dev``."""
+    index = dev.index_of(dst)
+    if index is None:
+        index = dev.index_of(src)
+    if index is None:
+        raise DeviceError("copy_now moves bytes between host and device memory")
+    stream = dev.stream(index)
+    stream.wait_stream(dev.current_stream(index))
+    dev.copy(dst, src, stream)
+    event = dev.event(index)
+    event.record(stream)
+    event.synchronize()
 
 
 _ACTIVE: list[Device] = []
