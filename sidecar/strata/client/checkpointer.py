@@ -55,12 +55,12 @@ import torch
 
 from strata.client.cadence import ComponentCadence
 from strata.client.cuda_host import holds_cuda
-from strata.client.loader import load_shard
+from strata.client.loader import load_failure, load_shard, settle_load
 from strata.client.saver import Saver
 from strata.client.sharded import ShardedLoad, ShardReader, reshard_candidate
 from strata.config import StrataConfig
 from strata.constants import ENV_RESTORE_RESHARD
-from strata.errors import CodecError, ConfigError, RestoreError, ShardCorrupt, StageError, TierError
+from strata.errors import ConfigError, RestoreError, ShardCorrupt, StageError, TierError
 from strata.format import codec
 from strata.format.incarnation import Incarnation, new_incarnation_id
 from strata.protocol import ClientEvent, RestoreEvent
@@ -523,17 +523,20 @@ class Checkpointer:
             for note in res.skipped:
                 if note not in notes:
                     notes.append(note)
+            failure: BaseException | None = None
             try:
                 tree, load_err = self._load(state, plan.step, res.tier, notes), None
             except ShardCorrupt as exc:
-                tree, load_err, clobbered = None, f"{res.tier}: {exc}", True
+                tree, load_err, clobbered, failure = None, f"{res.tier}: {exc}", True, exc
                 notes.append(f"{load_err} (quarantined)")
                 self._load_quarantined.append(res.tier)
                 try:
                     self.ram.quarantine(self.job_id, plan.step, self.rank, str(exc))
                 except TierError as qexc:
                     notes.append(f"ram: quarantine failed: {qexc}")
-            if any(self._gather(load_err is not None)):
+            except Exception as exc:  # any other failure: every rank learns of it (no hang)
+                tree, load_err, failure = None, f"{res.tier}: {exc!r}", exc
+            if not settle_load(self._gather(load_failure(failure)), self.rank, plan.step, failure):
                 # A copy failed verification while loading (here or on another rank): every
                 # rank plans again; the quarantined copy is no longer listed.
                 log.warning(
@@ -751,7 +754,7 @@ class Checkpointer:
                 finally:
                     notes.extend(reader.notes)
                     reader.close()
-        except (RestoreError, CodecError, TierError, OSError) as exc:
+        except Exception as exc:  # any failure (a device copy, NCCL): every rank learns of it
             err = exc
         errors = self._gather(None if err is None else f"rank {self.rank}: {err}")
         if err is not None:
@@ -790,7 +793,7 @@ class Checkpointer:
                 state, m, data, where=f"step {step} rank {src}", resolve=load.resolve
             )
             load.fill_from_tiers(reader)
-        except (RestoreError, CodecError, TierError, OSError) as exc:
+        except Exception as exc:  # any failure (a device copy, NCCL): every rank learns of it
             err = f"rank {self.rank}: {exc}"
         finally:
             notes.extend(n for n in reader.notes if n not in notes)

@@ -49,7 +49,9 @@ from typing import Any
 
 import torch
 
-from strata.errors import ShardCorrupt
+from strata.client import device as devices
+from strata.client.device import Stream
+from strata.errors import RestoreError, ShardCorrupt
 from strata.format import codec, crc
 from strata.format.manifest import Manifest, StorageEntry, TensorEntry
 
@@ -143,7 +145,10 @@ class _OnePass:
         self.m = manifest
         self.device_source = device_source
         self._host: torch.Tensor | bool | None = None
-        self.device_pending: list[tuple[int, torch.Tensor]] = []
+        self.device_pending: list[tuple[int, torch.Tensor, int]] = []
+        """(offset in the shard, live device tensor, its device index) to copy host-to-device."""
+        self.dev = devices.active()
+        self._streams: dict[int, Stream] = {}
         self.base = base
         self.pool = pool
         self.workers = max(1, workers)
@@ -155,26 +160,36 @@ class _OnePass:
         self.fast_bytes = 0
         self.cuda = False
 
+    def host_view(self, index: int) -> torch.Tensor | None:
+        """The registered host view of the shard (``device_source()``, asked once, with device
+        ``index`` current while the slot is registered); None when there is none."""
+        if self._host is None and self.device_source is not None:
+            # Never ``device_source() or False``: that calls bool() on a multi-element tensor
+            # (RuntimeError: ambiguous), failing every restore that registration made fast.
+            with self.dev.using(index):
+                host = self.device_source()
+            self._host = host if host is not None else False
+            self.device_source = None
+        return self._host if isinstance(self._host, torch.Tensor) else None
+
     # -- the codec's hooks ----------------------------------------------------------------------
     def sink(self, te: TensorEntry, se: StorageEntry, live: torch.Tensor) -> bool:
         """Take a saved tensor (entries checked by the codec, same dtype and shape as ``live``)
         when it can be copied as raw bytes: the saved view contiguous, ``live`` a contiguous CPU
         tensor, or a contiguous CUDA tensor when ``device_source`` gives a host view."""
-        if live.device.type == "cuda":
+        index = self.dev.index_of(live)
+        if index is not None:
             self.cuda = True
         if not live.is_contiguous() or te.stride != _contiguous_stride(te.shape):
             return False
         itemsize = live.element_size()
         n = live.numel() * itemsize
         off = se.offset + te.storage_offset * itemsize
-        if live.device.type == "cuda":
-            if self._host is None and self.device_source is not None:
-                self._host = self.device_source() or False
-                self.device_source = None
-            if self._host is False or self._host is None:
+        if index is not None:
+            if self.host_view(index) is None:
                 return False
             if n:
-                self.device_pending.append((off, live))
+                self.device_pending.append((off, live, index))
                 self.fast_bytes += n
             return True
         if live.device.type != "cpu":
@@ -217,15 +232,31 @@ class _OnePass:
             return lambda: None
         host = self._host
         assert isinstance(host, torch.Tensor)
-        device = self.device_pending[0][1].device
-        stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for off, live in self.device_pending:
+        dev = self.dev
+        by_device: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for off, live, index in self.device_pending:
+            by_device.setdefault(index, []).append((off, live))
+        events = []
+        # One side stream and event per device: a copy enqueued on another device's stream
+        # would run on its own device's current stream, unordered with the event waited for.
+        for index, pieces in sorted(by_device.items()):
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = dev.stream(index)
+            stream.wait_stream(dev.current_stream(index))
+            for off, live in pieces:
                 n = live.numel() * live.element_size()
-                live.view(-1).view(torch.uint8).copy_(host[off : off + n], non_blocking=True)
+                dev.copy(live, host[off : off + n], stream)
+            event = dev.event(index)
+            event.record(stream)
+            events.append(event)
         self.device_pending = []
-        return stream.synchronize
+
+        def wait() -> None:
+            for event in events:
+                event.synchronize()
+
+        return wait
 
     def finish(self) -> tuple[list[int], int]:
         """Flush, then checksum the chunks no copy touched; (chunk CRCs, whole-object CRC);
@@ -290,6 +321,33 @@ class _OnePass:
                 if end > at:
                     value = _crc_at(base + at, end - at, value)
             self.crcs[k] = value
+
+
+def _registered_chunks(
+    resolve: codec.Resolver, one: _OnePass, private: mmap.mmap
+) -> codec.Resolver:
+    """``resolve`` handed, for a sharded tensor whose live local tensor is on a device, the same
+    bytes in the registered RAM slot (``one``'s host view) instead of the private mapping: its
+    host-to-device copy then runs from page-locked memory at the link's speed, as the loader's
+    own copies do. Sharded chunks are copied after the shard is read, not verified in the pass:
+    as before, verification of the whole shard follows at the end of the load."""
+    anchor = ctypes.c_char.from_buffer(private)
+    base = ctypes.addressof(anchor)
+    del anchor
+    size = len(private)
+
+    def twin(entry: Any, live: Any, chunk: torch.Tensor | None, path: str) -> Any:
+        local = getattr(live, "_local_tensor", live)
+        index = one.dev.index_of(local) if isinstance(local, torch.Tensor) else None
+        if chunk is not None and index is not None and chunk.is_contiguous():
+            host = one.host_view(index)
+            off = chunk.data_ptr() - base
+            n = chunk.numel() * chunk.element_size()
+            if host is not None and off >= 0 and off + n <= min(size, host.numel()):
+                chunk = host[off : off + n].view(chunk.dtype).view(chunk.shape)
+        return resolve(entry, live, chunk, path)
+
+    return twin
 
 
 def _aliased(pieces: list[tuple[int, int, int]]) -> set[int]:
@@ -381,6 +439,8 @@ def load_shard(
             )
             try:
                 one = _OnePass(manifest, base, pool, workers, device_source, checksum)
+                if resolve is not None and device_source is not None:
+                    resolve = _registered_chunks(resolve, one, private)
                 tree = codec.load_into(
                     state,
                     manifest,
@@ -409,3 +469,38 @@ def load_shard(
                 "quarantine it and restore from another tier"
             )
     return LoadOutcome(tree, crcs, whole, one.fast_bytes, one.cuda)
+
+
+LoadFailure = tuple[bool, str] | None
+"""One rank's outcome of loading its shard, as exchanged with the other ranks: None (loaded),
+``(False, why)`` (a corrupt copy: quarantined, every rank re-plans) or ``(True, why)`` (any
+other failure: every rank's restore raises)."""
+
+
+def load_failure(exc: BaseException | None) -> LoadFailure:
+    """This rank's :data:`LoadFailure` for the exception its load raised (None: it loaded)."""
+    if exc is None:
+        return None
+    return (not isinstance(exc, ShardCorrupt), f"{type(exc).__name__}: {exc}")
+
+
+def settle_load(
+    outcomes: list[LoadFailure], rank: int, step: int, own: BaseException | None
+) -> bool:
+    """Decide a load of ``step`` from every rank's :data:`LoadFailure` (``outcomes``, by rank,
+    gathered by every rank: so every rank decides the same; a rank that raised without taking
+    part in that gather would leave the others waiting in it for ever). ``own``: this rank's
+    exception. Returns True when every rank loaded, False when some copy was corrupt (re-plan).
+    Raises ``own`` when it is a failure other than a corrupt copy (a state that does not fit
+    the checkpoint keeps its :class:`strata.errors.CodecError`), else :class:`RestoreError`
+    naming the ranks whose load failed so."""
+    if own is not None and not isinstance(own, ShardCorrupt):
+        raise own
+    fatal = [f"rank {r}: {o[1]}" for r, o in enumerate(outcomes) if o is not None and o[0]]
+    if fatal:
+        raise RestoreError(
+            f"step {step} could not be loaded on every rank ({'; '.join(fatal)}); rank {rank} "
+            "stops its restore too (its state may be partly loaded): fix the failing rank and "
+            "call restore() again"
+        )
+    return all(o is None for o in outcomes)

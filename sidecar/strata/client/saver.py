@@ -64,7 +64,7 @@ from strata.client.cuda_host import (
     HostRegistry,
     RegisteredSlotMaps,
     copy_to_host,
-    holds_cuda,
+    side_streams,
 )
 from strata.client.reuse import SlotReuse
 from strata.client.unchanged import Signature, Snapshot, UnchangedTracker, storage_signatures
@@ -263,13 +263,7 @@ class Saver:
         self._last_save_time = time.monotonic()
 
     def _stream(self, enc: codec.EncodedState) -> Any:
-        if not holds_cuda(enc):
-            return None
-        self._maps.register = True
-        device = next(s.device for s in enc.sources if s.device.type == "cuda")
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        return self._streams[device]
+        return side_streams(enc, self._maps, self._streams)  # one per device (cuda_host)
 
     def _encode(self, state: Any, replicated: bool | Collection[str] | None) -> codec.EncodedState:
         return codec.encode(
@@ -449,7 +443,13 @@ class Saver:
             mm = self._mapping(lock)
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             handle = copy_to_host(
-                enc, dst, self.copy_pool, stream, background=self._overlap, skip=skip
+                enc,
+                dst,
+                self.copy_pool,
+                stream,
+                background=self._overlap,
+                skip=skip,
+                pinned=self._maps.is_registered(lock.path),
             )
         except BaseException:
             lock.release()

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from strata.client import device as devices
+from strata.client.device import Device
 from strata.errors import CodecError, RestoreError, ShardCorrupt, ShardUnavailable, TierError
 from strata.format import placement
 from strata.format.codec import dtype_from_name
@@ -91,7 +93,7 @@ class ShardedLoad:
         same = self.saved_world_size == self.world_size and placement.same_layout(entry, layout)
         with torch.no_grad():
             if chunk is not None and entry.region == layout.region:
-                layout.local.copy_(chunk)
+                _copy_in(layout.local, chunk)
                 if same:
                     receivers = [r for r in layout.groups.get(layout.region, []) if r != self.rank]
                     if receivers:
@@ -115,18 +117,19 @@ class ShardedLoad:
                     "init_process_group() before restore()"
                 )
             return
+        dev = devices.active()
+        # NCCL carries device tensors only, gloo host tensors (and CUDA ones through a copy):
+        # each tensor goes on the wire where the group's backend takes it.
+        on_device = dev.wire_on_device(str(dist.get_backend(group)))
         ops = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for tag, t, receivers in self.sends:
-            src = t.detach().contiguous().cpu()
+            src = _on_wire(dev, t.detach(), on_device)
             for r in receivers:
                 ops.append(dist.P2POp(dist.isend, src, r, group=group, tag=tag))
         for tag, t, owner in self.recvs:
-            buf = (
-                t
-                if (t.is_contiguous() and t.device.type == "cpu")
-                else torch.empty_like(t, device="cpu").contiguous()
-            )
+            where = _wire_index(dev, t, on_device)
+            buf = t if t.is_contiguous() and dev.index_of(t) == where else dev.empty_like(t, where)
             staged.append((t, buf))
             ops.append(dist.P2POp(dist.irecv, buf, owner, group=group, tag=tag))
         if ops:
@@ -310,6 +313,36 @@ def reshard_candidate(
             if entry.complete and w is not None and w != world_size and newer:
                 best = (step, w)
     return best
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; a device ``dst`` from a host ``src`` (the loader hands the chunk as
+    a view of the registered RAM slot when it can) through the device seam's side stream."""
+    dev = devices.active()
+    fits = dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
+    if fits and dev.index_of(dst) is not None and dev.index_of(src) is None:
+        devices.copy_now(dev, dst, src)
+    else:
+        dst.copy_(src)
+
+
+def _wire_index(dev: Device, t: torch.Tensor, on_device: bool) -> int | None:
+    """Where ``t`` travels: None (host memory) unless the wire is device memory, then ``t``'s
+    device (a host tensor: the current device)."""
+    if not on_device:
+        return None
+    index = dev.index_of(t)
+    return index if index is not None else dev.current_device()
+
+
+def _on_wire(dev: Device, t: torch.Tensor, on_device: bool) -> torch.Tensor:
+    """``t``'s bytes as a contiguous tensor where the group's backend carries them."""
+    where = _wire_index(dev, t, on_device)
+    if dev.index_of(t) == where and t.is_contiguous():
+        return t
+    out = dev.empty_like(t, where)
+    out.copy_(t)
+    return out
 
 
 def _pread(f: Any, buf: bytearray, start: int) -> int:
