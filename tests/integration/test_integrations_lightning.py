@@ -58,7 +58,7 @@ def test_load_by_name_when_the_pointer_is_gone(shm_dir: Path, tmp_path: Path) ->
     other = StrataCheckpointIO(job_id="ns.other", ram_dir=shm_dir / "ram2")
     io2 = StrataCheckpointIO(job_id="ns.lightning", ram_dir=shm_dir / "ram")
     io2.save_checkpoint(state, path)
-    with pytest.raises(ValueError, match="points to job 'ns.lightning', not 'ns.other'"):
+    with pytest.raises(ValueError, match=r"points to job 'ns\.lightning', not 'ns\.other'"):
         other.load_checkpoint(path)
     io2.teardown()
     other.teardown()
