@@ -48,5 +48,5 @@ def test_resume_checkpoint_refuses_a_step_without_trainer_state(
         c.wait()
         with pytest.raises(ValueError, match="not saved by StrataCallback"):
             resume_checkpoint(c, tmp_path)
-        with pytest.raises(RestoreError, match="step 9 of job 'ns.hf' is not restorable"):
+        with pytest.raises(RestoreError, match=r"step 9 of job 'ns\.hf' is not restorable"):
             resume_checkpoint(c, tmp_path, step=9)
