@@ -46,7 +46,7 @@ class Data(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"x": self.x[i], "labels": self.x[i].sum().repeat(3)}
 
 
-class PauseAt(TrainerCallback):  # type: ignore[misc]
+class PauseAt(TrainerCallback):
     def __init__(self, step: int | None, progress: str | None) -> None:
         self.step, self.progress = step, progress
 

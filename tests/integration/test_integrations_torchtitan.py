@@ -2,7 +2,7 @@
 
 torchtitan is not installed (its dependencies pin another huggingface_hub than transformers'),
 so these tests make the ``torch.distributed.checkpoint`` calls the way its ``CheckpointManager``
-makes them: ``dcp.save(states, checkpoint_id=f"{folder}/step-{step}")`` of ``Stateful``
+makes them: ``state_dict_saver.save(states, checkpoint_id=f"{folder}/step-{step}")`` of ``Stateful``
 wrappers around ``get_model_state_dict`` / ``get_optimizer_state_dict`` (its ``ModelWrapper``
 and ``OptimizersContainer``), a dataloader and a train state, resumed from the newest step.
 """
@@ -10,10 +10,11 @@ and ``OptimizersContainer``), a dataloader and a train state, resumed from the n
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 
 import strata.dcp
 from strata.client import Checkpointer
@@ -70,7 +71,7 @@ def test_path_style_ids_round_trip_through_dcp(shm_dir: Path) -> None:
     msd, osd = get_state_dict(model, opt)
     with Checkpointer(job_id="ns.titan", ram_dir=shm_dir / "ram", rank=0, world_size=1) as c:
         # What the manager's dcp_save does, with Strata's writer: the id names the step.
-        dcp.save(
+        state_dict_saver.save(
             {"model": msd, "optimizer": osd},
             storage_writer=strata.dcp.StorageWriter(checkpointer=c),
             checkpoint_id=f"{folder}/step-30",
@@ -78,7 +79,7 @@ def test_path_style_ids_round_trip_through_dcp(shm_dir: Path) -> None:
         assert c.all_steps("ram") == [30]
         # A DCP id for another storage is refused, never written as some step.
         with pytest.raises(ValueError, match="step-<N>"):
-            dcp.save(
+            state_dict_saver.save(
                 {"model": msd},
                 storage_writer=strata.dcp.StorageWriter(checkpointer=c),
                 checkpoint_id="s3://bucket/run",
@@ -89,8 +90,8 @@ def test_path_style_ids_round_trip_through_dcp(shm_dir: Path) -> None:
     model2, opt2 = _model_and_optim(1)
     msd2, osd2 = get_state_dict(model2, opt2)
     with Checkpointer(job_id="ns.titan", ram_dir=shm_dir / "ram", rank=0, world_size=1) as c2:
-        sd = {"model": msd2, "optimizer": osd2}
-        dcp.load(
+        sd: dict[str, Any] = {"model": msd2, "optimizer": osd2}
+        state_dict_loader.load(
             sd,
             storage_reader=strata.dcp.StorageReader(checkpointer=c2),
             checkpoint_id=f"{folder}/step-30",

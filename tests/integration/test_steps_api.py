@@ -62,7 +62,7 @@ def test_restore_a_chosen_step_loads_its_bytes_and_training_continues_from_it(
         t2.train(3)
         assert same_weights(t2.weights(), saved[3])  # continues bit-identically from step 2
         with torch.no_grad():  # ... and now diverges: another run from step 2
-            t2.model[0].weight.add_(1.0)
+            next(t2.model.parameters()).add_(1.0)
         assert c2.save(3, t2.state)
         new3 = t2.weights()
         assert not same_weights(new3, saved[3])

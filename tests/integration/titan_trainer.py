@@ -132,7 +132,7 @@ def main() -> None:
                     f"{FOLDER}/step-{train.step}",
                     ckpt,
                     a.async_mode,
-                    pg,  # type: ignore[arg-type]
+                    pg,
                 )
             if train.step == a.pause_at:
                 if pending is not None:

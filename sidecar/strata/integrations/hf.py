@@ -64,12 +64,12 @@ def rng_states() -> dict[str, Any]:
         "numpy": np.random.get_state(),
         "cpu": torch.random.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         states["cuda"] = torch.cuda.random.get_rng_state()
     return states
 
 
-class StrataCallback(TrainerCallback):  # type: ignore[misc]
+class StrataCallback(TrainerCallback):
     """Save the Trainer's state to Strata every ``every_steps`` optimizer steps (module doc).
 
     ``checkpointer``: where to save; ``every_steps``: the cadence in optimizer steps (None:

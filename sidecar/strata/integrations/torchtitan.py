@@ -35,7 +35,9 @@ import os
 from concurrent.futures import Future
 from typing import Any, Literal
 
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as _dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
 from strata.client.checkpointer import Checkpointer
 from strata.dcp import StorageReader, StorageWriter, step_of_checkpoint_id
@@ -71,14 +73,14 @@ def dcp_save(
     """
     writer = StorageWriter(_step(checkpoint_id), checkpointer=checkpointer)
     if async_mode == "async":
-        fut: Future[Any] = dcp.async_save(
+        fut: Any = _dcp_async_save(
             state_dict, storage_writer=writer, checkpoint_id=checkpoint_id,
             process_group=process_group,
         )  # fmt: skip
-        return fut
+        return fut  # type: ignore[no-any-return]
     if async_mode != "disabled":
         raise ValueError(f"async_mode must be 'disabled' or 'async', got {async_mode!r}")
-    dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
+    _dcp_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
     return None
 
 
@@ -89,7 +91,7 @@ def dcp_load(
     values get ``load_state_dict``). Raises :class:`strata.errors.RestoreError` when that step
     cannot be read verified from any tier this rank reads."""
     reader = StorageReader(_step(checkpoint_id), checkpointer=checkpointer)
-    dcp.load(state_dict, storage_reader=reader, checkpoint_id=checkpoint_id)
+    _dcp_load(state_dict, storage_reader=reader, checkpoint_id=checkpoint_id)
 
 
 def find_load_step(checkpointer: Checkpointer) -> int:
