@@ -90,7 +90,9 @@ def test_the_dev_extra_and_docs_name_the_new_distribution() -> None:
     dev = pyproject["project"]["optional-dependencies"]["dev"]
     assert any(d.startswith(f"{DIST_NAME}[") for d in dev)
     offenders = []
-    for path in [ROOT / "README.md", ROOT / "examples/Dockerfile", *sorted(ROOT.glob("docs/*.md"))]:
+    docs = [ROOT / "README.md", ROOT / "examples/Dockerfile", *sorted(ROOT.glob("docs/*.md"))]
+    # Error messages that tell the user what to install, too.
+    for path in [*docs, *sorted((ROOT / "sidecar" / "strata").rglob("*.py"))]:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"pip install[^\n`]*[\s'\"`]strata(\[|\s|$|['\"`])", line):
                 offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
