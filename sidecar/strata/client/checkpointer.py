@@ -56,6 +56,7 @@ import torch
 from strata.client import steps as _steps
 from strata.client.cadence import ComponentCadence
 from strata.client.cuda_host import holds_cuda
+from strata.client.late_sidecar import SidecarWatch
 from strata.client.loader import load_shard
 from strata.client.saver import Saver
 from strata.client.sharded import ShardedLoad, ShardReader, reshard_candidate
@@ -262,6 +263,7 @@ class Checkpointer:
             keep=self.config.ram.keep,
             verify_threads=min(4, os.cpu_count() or 1),
         )
+        self._sidecar_watch: SidecarWatch | None = None
         if slot_provider is None and stager is None:
             # A ready sidecar on the local socket serves slots and staging (strata.sidecar).
             from strata.client.sidecar_client import connect
@@ -281,11 +283,8 @@ class Checkpointer:
                 )
                 stager = SidecarFallbackStager(sidecar, direct)
             elif self.config.pvc is not None or self.config.gcs is not None:
-                # Promotion is the sidecar's job; without one, checkpoints stay in RAM only.
-                log.warning(
-                    "strata: no sidecar answers on %s: saves stay in the RAM tier and are NOT "
-                    "promoted to %s; run `strata sidecar` with the same configuration (in "
-                    "Kubernetes the webhook injects it). Restores still search every tier.",
+                # Promotion is the sidecar's job: keep looking for one that starts late.
+                self._sidecar_watch = SidecarWatch(
                     self.config.socket,
                     " and ".join(t for t in ("pvc", "gcs") if getattr(self.config, t)),
                 )
@@ -861,6 +860,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for background checksums, stop the threads, unmap the slots."""
+        if self._sidecar_watch is not None:
+            self._sidecar_watch.stop()
         try:
             self.wait()
         finally:
