@@ -11,7 +11,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
 .PHONY: help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
-        manifests manifests-check bench bench-sharded bench-smoke tools cluster-up cluster-down scale clean chaos
+        manifests manifests-check dist bench bench-sharded bench-smoke tools cluster-up cluster-down scale clean chaos
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -101,6 +101,10 @@ bench-sharded: $(STAMP) ## sharded DTensor workload over 4 CPU ranks (issue 13) 
 CHAOS_ARGS ?= --crash-points 2000 --corruptions 1000 --seed 1
 chaos: $(STAMP) ## the long fault-injection campaign of issue 11 (not in make test): counts as JSON
 	$(BIN)/python -m tests.chaos.campaign $(CHAOS_ARGS) --out bench/results/chaos.json
+
+dist: $(STAMP) ## build the wheel and sdist of strata-checkpoint into dist/ (no network: the venv's setuptools)
+	rm -rf dist
+	$(BIN)/python -m build --no-isolation --outdir dist .
 
 clean: ## remove .venv and caches (not the tool cache in ~/.cache/strata)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .strata-run

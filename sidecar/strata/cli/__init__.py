@@ -2,8 +2,10 @@
 
 ``strata sidecar``
     The checkpoint sidecar (promotion, retention, restore staging, metrics, reports); configured
-    only by the environment the webhook injects (:class:`strata.config.StrataConfig`). Exit
-    status 2 on invalid configuration, with a message naming the setting.
+    only by the environment the webhook injects (:class:`strata.config.StrataConfig`; ``strata
+    sidecar --help`` lists every variable and field with its default,
+    :mod:`strata.cli.config_help`). Exit status 2 on invalid configuration, with a message
+    naming the setting.
 ``strata janitor --root DIR [--grace-seconds S] [--interval-seconds S | --once]``
     Remove RAM-tier data of jobs on this node whose heartbeat is older than the grace
     (hostPath medium; run as a DaemonSet).
@@ -37,7 +39,16 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    side = sub.add_parser("sidecar", help="run the checkpoint sidecar (configured by environment)")
+    from strata.cli.config_help import sidecar_help
+
+    side = sub.add_parser(
+        "sidecar",
+        help="run the checkpoint sidecar (configured by environment)",
+        description="The checkpoint sidecar: promotion RAM -> PVC -> GCS, retention, restore "
+        "staging, SIGTERM flush, /metrics, reports. Exit status 2 on an invalid configuration.",
+        epilog=sidecar_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     side.add_argument("--log-level", default="INFO")
     jan = sub.add_parser("janitor", help="remove RAM-tier data of jobs that no longer run")
     jan.add_argument("--root", required=True, type=Path, help="the node's RAM-tier directory")

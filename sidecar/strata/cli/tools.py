@@ -295,7 +295,9 @@ def _export(args: argparse.Namespace) -> int:
     try:
         from strata.cli.export import export
     except ImportError as exc:
-        raise UsageError(f"export needs torch ({exc}); pip install 'strata[torch]'") from None
+        raise UsageError(
+            f"export needs torch ({exc}); pip install 'strata-checkpoint[torch]'"
+        ) from None
     fmt, dst = args.to[0], Path(args.to[1])
     if fmt not in ("safetensors", "dcp"):
         raise UsageError(f"--to {fmt}: choose safetensors or dcp")

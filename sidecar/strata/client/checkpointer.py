@@ -53,8 +53,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from strata.client import steps as _steps
 from strata.client.cadence import ComponentCadence
 from strata.client.cuda_host import holds_cuda
+from strata.client.late_sidecar import SidecarWatch
 from strata.client.loader import load_failure, load_shard, settle_load
 from strata.client.saver import Saver
 from strata.client.sharded import ShardedLoad, ShardReader, reshard_candidate
@@ -261,6 +263,7 @@ class Checkpointer:
             keep=self.config.ram.keep,
             verify_threads=min(4, os.cpu_count() or 1),
         )
+        self._sidecar_watch: SidecarWatch | None = None
         if slot_provider is None and stager is None:
             # A ready sidecar on the local socket serves slots and staging (strata.sidecar).
             from strata.client.sidecar_client import connect
@@ -280,11 +283,8 @@ class Checkpointer:
                 )
                 stager = SidecarFallbackStager(sidecar, direct)
             elif self.config.pvc is not None or self.config.gcs is not None:
-                # Promotion is the sidecar's job; without one, checkpoints stay in RAM only.
-                log.warning(
-                    "strata: no sidecar answers on %s: saves stay in the RAM tier and are NOT "
-                    "promoted to %s; run `strata sidecar` with the same configuration (in "
-                    "Kubernetes the webhook injects it). Restores still search every tier.",
+                # Promotion is the sidecar's job: keep looking for one that starts late.
+                self._sidecar_watch = SidecarWatch(
                     self.config.socket,
                     " and ".join(t for t in ("pvc", "gcs") if getattr(self.config, t)),
                 )
@@ -449,13 +449,33 @@ class Checkpointer:
         dist.all_gather_object(out, obj, group=self.process_group)
         return out
 
-    def restore(self, state: Any) -> RestoreResult:
+    def all_steps(self, tier: str | None = None) -> list[int]:
+        """Committed steps, ascending: in ``tier`` ("ram", "pvc", "gcs", "peer"), or restorable
+        (None). Raises ValueError for a tier not configured. See :mod:`strata.client.steps`."""
+        return _steps.committed_steps(
+            self.stager.inventory(self.job_id, self.rank, self.world_size),
+            self.world_size,
+            tier,
+            self.config.tiers_in_restore_order(),
+        )
+
+    def latest_step(self, tier: str | None = None) -> int | None:
+        """The newest of :meth:`all_steps` (``tier`` as there), or None when there is none."""
+        return _steps.latest(self.all_steps(tier))
+
+    def restore(self, state: Any, step: int | None = None) -> RestoreResult:
         """Load the newest restorable step into ``state`` in place (see the module docstring).
+
+        ``step``: restore exactly that step (every rank; nearest tier first, verified) instead
+        of the newest; :class:`RestoreError` when it is not restorable (no fall back to another
+        step nor to a fresh start; :mod:`strata.client.steps`). ValueError for a step that is
+        not a non-negative int.
 
         Returns a :class:`RestoreResult` (``step`` None: fresh start). Raises
         :class:`RestoreError` when nothing is restorable and fresh starts are not allowed, and
         :class:`strata.format.codec.CodecError` when the checkpoint does not fit the live state.
         """
+        _steps.check_step(step)
         t0 = time.perf_counter()
         self.wait()
         self.saver.forget_unchanged()  # a restore writes tensors without bumping their versions
@@ -476,11 +496,13 @@ class Checkpointer:
         cand = None
         if self.reshard:
             mine = reshard_candidate(self._restore_tiers(), self.job_id, self.world_size)
-            cand = self._gather(mine)[0]
+            cand = _steps.pin_candidate(self._gather(mine)[0], step)
         for _ in range(64):
             inv = self.stager.inventory(self.job_id, self.rank, self.world_size)
             gathered = self._gather({"inventory": inv.to_dict(), "incarnation": proposal})
-            invs = [RankInventory.from_dict(g["inventory"]) for g in gathered]
+            invs = _steps.pin_step(
+                [RankInventory.from_dict(g["inventory"]) for g in gathered], step
+            )
             # Every rank takes rank 0's proposal: one incarnation id for the whole world.
             chosen = chosen or gathered[0]["incarnation"]
             for note in skipped_partial_steps(invs) + [n for i in invs for n in i.notes]:
@@ -580,6 +602,11 @@ class Checkpointer:
         searched = ", ".join(
             f"{t}={self._tier_location(t)}" for t in self.config.tiers_in_restore_order()
         )
+        if step is not None:
+            self._report_restore(
+                RestoreResult(None, {}, 0, time.perf_counter() - t0, notes), "failed"
+            )
+            raise _steps.not_restorable(self.job_id, step, self.world_size, searched, notes)
         if self.config.restore.allow_fresh_start and clobbered:
             self._report_restore(
                 RestoreResult(None, {}, 0, time.perf_counter() - t0, notes), "failed"
@@ -836,6 +863,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for background checksums, stop the threads, unmap the slots."""
+        if self._sidecar_watch is not None:
+            self._sidecar_watch.stop()
         try:
             self.wait()
         finally:

@@ -17,6 +17,10 @@ of the shard's state tree ``{"dcp": [{"fqn", "offset", "kind", "size", "chunk_of
 nothing is pickled by Strata; DCP itself ``torch.save``\\s non-tensor values into those bytes).
 DCP's own planner already writes a replicated tensor once (on rank 0).
 
+``checkpoint_id``: the step (``"3"``) or a path ending in ``step-3`` (torchtitan's ids;
+:mod:`strata.dcp.ids`), so ``dcp.save(sd, storage_writer=w, checkpoint_id=f"{folder}/step-3")``
+saves step 3.
+
 No metadata file: :class:`StorageReader` rebuilds DCP's ``Metadata`` from the shard manifests of
 the step (every chunk of every tensor, its global size and dtype), so any world size can load
 it (DCP reshards). ``step=None`` picks the newest step complete in one tier this rank can read
@@ -32,6 +36,7 @@ rank); the previous committed step is untouched.
 
 from __future__ import annotations
 
+from strata.dcp.ids import checkpoint_id_of, step_of_checkpoint_id
 from strata.dcp.storage import StorageReader, StorageWriter
 
-__all__ = ["StorageReader", "StorageWriter"]
+__all__ = ["StorageReader", "StorageWriter", "checkpoint_id_of", "step_of_checkpoint_id"]

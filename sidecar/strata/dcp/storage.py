@@ -32,6 +32,7 @@ from torch.futures import Future
 
 from strata.client.checkpointer import Checkpointer
 from strata.client.sharded import ShardReader
+from strata.dcp.ids import step_of_checkpoint_id
 from strata.errors import RestoreError, TierError
 from strata.format.codec import TENSOR_TAG, dtype_from_name
 from strata.format.manifest import Manifest
@@ -43,13 +44,14 @@ KEY = "dcp"
 def _step_of(checkpoint_id: str | os.PathLike[str] | None, default: int | None) -> int | None:
     if checkpoint_id is None:
         return default
-    text = os.fspath(checkpoint_id)
-    if not text.isdigit():
+    step = step_of_checkpoint_id(checkpoint_id)
+    if step is None:
         raise ValueError(
-            f"a Strata DCP checkpoint_id is a step number (e.g. '3'), got {text!r}; pass "
-            "step= to the StorageWriter/StorageReader instead"
+            "a Strata DCP checkpoint_id is a step number ('3') or a path ending in step-<N> "
+            f"(torchtitan's '<folder>/step-3'), got {os.fspath(checkpoint_id)!r}; pass step= to "
+            "the StorageWriter/StorageReader instead"
         )
-    return int(text)
+    return step
 
 
 class _Backed:
@@ -75,7 +77,8 @@ class _Backed:
 class StorageWriter(_Backed, _DcpWriter):
     """DCP storage writer: ``dcp.save`` / ``dcp.async_save`` into Strata step ``step``.
 
-    ``step``: the Strata step (or pass ``checkpoint_id="3"`` to ``dcp.save``). ``checkpointer``:
+    ``step``: the Strata step (or pass ``checkpoint_id="3"`` or ``".../step-3"`` to ``dcp.save``;
+    :mod:`strata.dcp.ids`). ``checkpointer``:
     an existing :class:`strata.Checkpointer`; otherwise ``settings`` (the Checkpointer's keywords:
     ``job_id``, ``ram_dir``, ``pvc_dir``, ``config``, ...) build one. ``write_data`` blocks for
     the copy into the RAM slot and the checksum pass (dcp.save is a blocking call; use
@@ -151,7 +154,7 @@ class StorageWriter(_Backed, _DcpWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return os.fspath(checkpoint_id).isdigit()
+        return step_of_checkpoint_id(checkpoint_id) is not None
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.step is None else str(self.step))
@@ -277,7 +280,7 @@ class StorageReader(_Backed, _DcpReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return os.fspath(checkpoint_id).isdigit()
+        return step_of_checkpoint_id(checkpoint_id) is not None
 
 
 def _items(m: Manifest) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ project's 2-core CI machine, RS(6, 2), 4 MiB blocks, one core, bench/peers.py):
 
 zfec is systematic: blocks ``0..k-1`` are the data chunks themselves, ``k..k+m-1`` the parity.
 
-Errors: :class:`ErasureUnavailable` (zfec not installed: ``pip install 'strata[peers]'``),
+Errors: :class:`ErasureUnavailable` (zfec not installed: ``pip install 'strata-checkpoint[peers]'``),
 ``ValueError`` on bad block counts or lengths.
 """
 
@@ -33,7 +33,7 @@ def _zfec() -> Any:
         import zfec
     except ImportError:
         raise ErasureUnavailable(
-            "erasure coding needs the zfec package: pip install 'strata[peers]' (or zfec), or set "
+            "erasure coding needs the zfec package: pip install 'strata-checkpoint[peers]' (or zfec), or set "
             "peers.mode: replicate"
         ) from None
     return zfec
