@@ -58,6 +58,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -348,8 +349,9 @@ _NOTIFIER = _Notifier()
 def _any_rank(flag: bool, group: Any) -> bool:
     """``flag`` OR-ed over the ranks of ``group`` when torch.distributed runs with more than one
     rank; ``flag`` otherwise."""
-    import torch
-
+    torch = sys.modules.get("torch")
+    if torch is None:  # torch not imported: no process group can exist
+        return flag
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return flag

@@ -193,10 +193,9 @@ class TerminationFlush:
                 self._pending = False
                 deadline = self._deadline
             assert deadline is not None
-            deadline = max(deadline, self._clock() + MIN_FLUSH_SECONDS)
             started = self._clock()
             try:
-                result = self.engine.flush(deadline)
+                result = self.engine.flush(max(deadline, started + MIN_FLUSH_SECONDS))
             except Exception as exc:  # engine.flush never raises; a bug must still end the wait
                 log.exception("termination flush failed")
                 result = FlushResult(None, None, None, ok=False, message=f"internal error: {exc}")
