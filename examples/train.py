@@ -12,7 +12,12 @@ webhook injects (``STRATA_CONFIG``) in a pod:
    nearest tier (RAM, then PVC, then GCS); a fresh start only when the policy allows it;
 2. ``ckpt.should_save(step)``: the RAM tier's cadence (``spec.tiers.ram.every``);
 3. ``ckpt.save(step, state)``: blocks only for the copy into a RAM slot; the sidecar promotes
-   to the PVC and GCS in the background.
+   to the PVC and GCS in the background;
+4. ``ckpt.should_stop(step, state)``: False until the pod gets SIGTERM (preemption, drain,
+   deletion); then it saves the current step to RAM, waits until the sidecar has made it
+   durable on the PVC (within the pod's grace period) and returns True: the loop ends and the
+   script exits with status 143, so that the Job does not count the pod as succeeded
+   (README "Preemption").
 
 Outside Kubernetes, point it at directories::
 
@@ -145,7 +150,19 @@ def main(argv: list[str] | None = None) -> int:
                 stall = None
             if step % args.log_every == 0 or step == args.steps - 1:
                 emit("step", rank=rank, step=step, loss=round(loss.item(), 4), stall=stall)
+            if ckpt.should_stop(step, state):
+                out = ckpt.termination.outcome
+                emit(
+                    "terminated",
+                    rank=rank,
+                    step=ckpt.last_saved_step,
+                    durable_step=out.durable_step if out is not None else None,
+                    seconds=round(ckpt.termination.since_signal(), 3),
+                )
+                break
         ckpt.wait()
+    if ckpt.termination.requested:
+        return ckpt.termination.exit_code
     # A digest of the final weights: a resumed run must end bit-identical to an uninterrupted one.
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():

@@ -147,6 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.kill_at is not None and step == args.kill_at:
             sys.stdout.flush()
             os._exit(17)
+        # SIGTERM on any rank's pod: every rank saves this step, waits until it is durable and
+        # stops at the same step (the flag is all-reduced); exit 143, not "succeeded".
+        if ckpt.should_stop():
+            ckpt.termination.finish(step, state())  # the state dict only when stopping
+            emit(rank, event="terminated", step=ckpt.last_saved_step)
+            ckpt.close()
+            dist.destroy_process_group()
+            return ckpt.termination.exit_code
     emit(
         rank,
         event="done",

@@ -15,6 +15,8 @@ Environment variables (all optional except where said):
     Tier locations (for runs outside Kubernetes, e.g. ``make demo``).
 ``STRATA_SOCKET``
     Unix socket of the sidecar's local API; default ``<ram dir>/.strata/sidecar.sock``.
+``STRATA_TERMINATION_GRACE_SECONDS``
+    The pod's ``terminationGracePeriodSeconds``: the termination flush's budget.
 ``POD_NAME``, ``POD_NAMESPACE``, ``NODE_NAME``, ``POD_UID``
     Downward API, set by the webhook.
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
@@ -46,6 +48,7 @@ from strata.constants import (
     ENV_PVC_DIR,
     ENV_RAM_DIR,
     ENV_SOCKET,
+    ENV_TERMINATION_GRACE,
     SOCKET_RELPATH,
 )
 from strata.errors import ConfigError
@@ -263,6 +266,7 @@ class StrataConfig(_Frozen):
             ENV_POD_UID: ("pod_uid",),
             ENV_NODE_NAME: ("node_name",),
             ENV_SOCKET: ("socket_path",),
+            ENV_TERMINATION_GRACE: ("termination_grace_seconds",),
             ENV_RAM_DIR: ("ram", "path"),
             ENV_PVC_DIR: ("pvc", "path"),
             ENV_GCS_BUCKET: ("gcs", "bucket"),

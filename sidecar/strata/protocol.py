@@ -14,6 +14,7 @@ endpoint               request                   reply (200)
 ``POST /v1/stage``     :class:`StageRequest`     :class:`StageReply`
 ``POST /v1/report``    :class:`ClientEvent`      :class:`ReportReply`
 ``GET  /v1/status``    --                        :class:`StatusReply`
+``POST /v1/terminate`` :class:`TerminateRequest` :class:`TerminateReply`
 =====================  ========================  ==================================
 
 Any other status carries an :class:`ErrorReply` whose ``kind`` says what happened
@@ -71,6 +72,9 @@ class StatusReply(Message):
     """Newest step committed in RAM for every local rank."""
     promoted: dict[str, int | None]
     """Durable tier -> newest step this sidecar promoted there (or found at start)."""
+    flush_estimate: dict[str, Any] | None = None
+    """:class:`strata.reports.FlushEstimate` as JSON: whether a termination flush of the
+    current state fits the grace period (None: no promotion measured yet)."""
 
 
 # -- slots -------------------------------------------------------------------------------------
@@ -196,6 +200,46 @@ client_event: TypeAdapter[SaveEvent | RestoreEvent] = TypeAdapter(ClientEvent)
 
 class ReportReply(Message):
     accepted: bool
+
+
+# -- termination -----------------------------------------------------------------------------------
+
+
+class TerminateRequest(JobRequest):
+    """The pod is terminating (the trainer got SIGTERM): flush to the fastest durable tier now.
+
+    A native sidecar gets its own SIGTERM only after the trainer exited, so the trainer's
+    request is the sidecar's first notice. ``since_signal_seconds``: how long ago the trainer
+    got the signal (the pod's grace period runs from then). ``wait_step``: None: start the
+    flush of the newest committed RAM step and answer at once (the notice); a step: answer
+    when that step (or a newer one) is durable, when the flush failed, or after
+    ``timeout_seconds``."""
+
+    rank: NonNegative
+    since_signal_seconds: Annotated[float, Field(ge=0)] = 0.0
+    wait_step: NonNegative | None = None
+    timeout_seconds: Annotated[float, Field(ge=0)] = 0.0
+
+
+class TerminateReply(Message):
+    """Where the termination flush stands (:class:`strata.sidecar.termination.FlushOutcome`)."""
+
+    started: bool
+    """A flush is running or ran since the notice."""
+    done: bool
+    """The last flush finished and no other is pending."""
+    ok: bool | None = None
+    """The last finished flush's outcome (None: none finished yet)."""
+    fit: bool | None = None
+    """It finished before the deadline (None: none finished yet)."""
+    tier: str | None = None
+    durable_step: int | None = None
+    """Newest local step on the fastest durable tier after the last flush."""
+    seconds: float | None = None
+    """Wall time of the last flush."""
+    deadline_in_seconds: float
+    """Seconds left until the flush deadline (grace period minus the sidecar's margin)."""
+    message: str = ""
 
 
 # -- errors ---------------------------------------------------------------------------------------

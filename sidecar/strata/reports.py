@@ -74,6 +74,31 @@ class ReportedError(_Model):
     time: datetime = Field(default_factory=utcnow)
 
 
+class FlushEstimate(_Model):
+    """Whether a termination flush of the current state fits in the pod's grace period.
+
+    ``seconds_needed`` = ``state_bytes`` / ``bytes_per_second``: the local shards of the newest
+    step promoted to the fastest durable tier over the throughput measured on the recent
+    promotions to it (bytes written / wall seconds, under whatever load the node had).
+    ``budget_seconds``: the grace period minus the sidecar's margin for its last report and exit.
+    ``fits`` is None until a promotion was measured. ``last_*``: the newest termination flush
+    this sidecar ran (None: none yet); ``last_fit`` False means the flush did not finish before
+    the deadline (or failed), so the step it was flushing may not be durable.
+    """
+
+    tier: TierName | None = None
+    state_bytes: Annotated[int, Field(ge=0)] | None = None
+    bytes_per_second: Annotated[float, Field(ge=0)] | None = None
+    seconds_needed: Annotated[float, Field(ge=0)] | None = None
+    grace_seconds: Annotated[float, Field(gt=0)]
+    budget_seconds: Annotated[float, Field(ge=0)]
+    fits: bool | None = None
+    last_ok: bool | None = None
+    last_fit: bool | None = None
+    last_step: Annotated[int, Field(ge=0)] | None = None
+    last_seconds: Annotated[float, Field(ge=0)] | None = None
+
+
 class SidecarReport(_Model):
     version: Literal[1] = REPORT_VERSION
     policy: Annotated[str, Field(min_length=1, max_length=253)]
@@ -86,3 +111,6 @@ class SidecarReport(_Model):
     promotions: Annotated[list[Promotion], Field(max_length=MAX_EVENTS)] = []
     restores: Annotated[list[Restore], Field(max_length=MAX_EVENTS)] = []
     errors: Annotated[list[ReportedError], Field(max_length=MAX_EVENTS)] = []
+    flush: FlushEstimate | None = None
+    """Termination flush estimate and outcome (:class:`FlushEstimate`); None from sidecars that
+    measured nothing yet."""

@@ -60,6 +60,7 @@ from strata.client.late_sidecar import SidecarWatch
 from strata.client.loader import load_failure, load_shard, settle_load
 from strata.client.saver import Saver
 from strata.client.sharded import ShardedLoad, ShardReader, reshard_candidate
+from strata.client.termination import Termination
 from strata.config import StrataConfig
 from strata.constants import ENV_RESTORE_RESHARD
 from strata.errors import ConfigError, RestoreError, ShardCorrupt, StageError, TierError
@@ -324,6 +325,8 @@ class Checkpointer:
         self._loaded_hint: tuple[int, bool] | None = None
         self._load_quarantined: list[str] = []
         self._tier_notes: list[str] = []
+        self.termination = Termination(self)
+        """SIGTERM handling and the final flush (:mod:`strata.client.termination`)."""
 
     # -- tiers ----------------------------------------------------------------------------------
 
@@ -401,6 +404,11 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every background checksum pass submitted so far has finished."""
         self.saver.wait(timeout)
+
+    def should_stop(self, step: int | None = None, state: Any = None, agree: bool = True) -> bool:
+        """True once the pod got SIGTERM; with ``step`` and ``state`` the first True has saved
+        ``step`` (if new) and waited for it to be durable (:mod:`strata.client.termination`)."""
+        return self.termination.should_stop(step, state, agree)
 
     flush = wait
 
@@ -865,6 +873,7 @@ class Checkpointer:
         """Wait for background checksums, stop the threads, unmap the slots."""
         if self._sidecar_watch is not None:
             self._sidecar_watch.stop()
+        self.termination.close()
         try:
             self.wait()
         finally:

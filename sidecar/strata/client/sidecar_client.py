@@ -53,6 +53,8 @@ from strata.protocol import (
     StageReply,
     StageRequest,
     StatusReply,
+    TerminateReply,
+    TerminateRequest,
     parse_event,
     parse_reply,
 )
@@ -246,6 +248,37 @@ class SidecarClient:
                 log.debug("sidecar refused a report: %s", data)
         except SidecarUnavailable as exc:
             log.debug("report not delivered: %s", exc)
+
+    # -- termination --------------------------------------------------------------------------------
+
+    def terminate(
+        self,
+        job_id: str,
+        rank: int,
+        since_signal_seconds: float,
+        wait_step: int | None = None,
+        timeout: float = 0.0,
+    ) -> TerminateReply:
+        """``POST /v1/terminate``: tell the sidecar the pod is terminating (its SIGTERM came
+        ``since_signal_seconds`` ago) so that it flushes the newest committed RAM step to the
+        fastest durable tier now; with ``wait_step``, block up to ``timeout`` seconds until that
+        step is durable (or the flush failed). Raises :class:`SidecarUnavailable`,
+        :class:`TierError` or :class:`ProtocolError`."""
+        status, data = self.call(
+            "POST",
+            "/v1/terminate",
+            TerminateRequest(
+                job_id=job_id,
+                rank=rank,
+                since_signal_seconds=since_signal_seconds,
+                wait_step=wait_step,
+                timeout_seconds=timeout,
+            ),
+            timeout=timeout + max(self.timeout, 2.0),
+        )
+        return parse_reply(
+            TerminateReply, self._ok(status, data, "termination flush"), self.socket_path
+        )
 
     def status(self) -> StatusReply:
         status, data = self.call("GET", "/v1/status")

@@ -12,6 +12,9 @@ job id (it never touches another job's data, which matters on a hostPath RAM med
   :func:`strata.restore.stage_into_ram` (the same routine the trainer uses without a sidecar);
   404 ``stage_error`` with ``skipped`` when no tier serves.
 - report: the client's save/restore events -> metrics and operator reports.
+- terminate: the trainer got SIGTERM; start the termination flush now
+  (:class:`strata.sidecar.termination.TerminationFlush`) and, with ``wait_step``, answer when
+  that step is durable, the flush failed, or ``timeout_seconds`` passed.
 """
 
 from __future__ import annotations
@@ -38,13 +41,17 @@ from strata.protocol import (
     StageReply,
     StageRequest,
     StatusReply,
+    TerminateReply,
+    TerminateRequest,
     parse,
     parse_event,
 )
+from strata.reports import FlushEstimate
 from strata.restore import collect_inventory, stage_into_ram
 from strata.sidecar.http import ApiError, Routes
 from strata.sidecar.metrics import Metrics
 from strata.sidecar.promotion import PromotionEngine
+from strata.sidecar.termination import TerminationFlush
 from strata.tiers.base import Tier
 from strata.tiers.ram import RamTier
 from strata.tiers.slots import LocalSlotProvider, slot_size_for
@@ -72,6 +79,8 @@ class LocalApi:
         metrics: Metrics,
         on_client_event: Callable[[SaveEvent | RestoreEvent], None],
         is_ready: Callable[[], bool],
+        termination: TerminationFlush | None = None,
+        flush_estimate: Callable[[], FlushEstimate] | None = None,
     ) -> None:
         self.config = config
         self.ram = ram
@@ -81,6 +90,10 @@ class LocalApi:
         self.slots = LocalSlotProvider(ram, keep=config.ram.keep)
         self.on_client_event = on_client_event
         self.is_ready = is_ready
+        self.termination = termination or TerminationFlush(
+            engine, config.termination_grace_seconds, 0.0
+        )
+        self.flush_estimate = flush_estimate
         self._alloc_lock = threading.Lock()
         self._stage_locks: dict[int, threading.Lock] = {}
 
@@ -93,6 +106,7 @@ class LocalApi:
         routes.add("POST", "/v1/stage", self.stage)
         routes.add("POST", "/v1/report", self.report)
         routes.add("GET", "/v1/status", self.status)
+        routes.add("POST", "/v1/terminate", self.terminate)
         return routes
 
     def _job(self, request: dict[str, Any]) -> str:
@@ -249,5 +263,33 @@ class LocalApi:
             local_ranks=sorted(ranks),
             ram_step=self.engine.newest_ram_step(ranks),
             promoted={str(t): s for t, s in self.engine.last_promoted().items()},
+            flush_estimate=(
+                self.flush_estimate().model_dump(mode="json") if self.flush_estimate else None
+            ),
+        )
+        return 200, reply.model_dump(mode="json")
+
+    def terminate(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The trainer's termination notice (and, with ``wait_step``, its wait for the flush)."""
+        self._job(request)
+        msg = _parse(TerminateRequest, request)
+        self.engine.add_ranks([msg.rank])
+        deadline = self.termination.notice(msg.since_signal_seconds)
+        if msg.wait_step is not None:
+            self.termination.wait(
+                msg.wait_step, min(msg.timeout_seconds, deadline - time.monotonic())
+            )
+        last = self.termination.last
+        started, done = self.termination.state()
+        reply = TerminateReply(
+            started=started,
+            done=done,
+            ok=None if last is None else last.result.ok,
+            fit=None if last is None else last.fit,
+            tier=None if last is None else last.result.tier,
+            durable_step=None if last is None else last.durable_step,
+            seconds=None if last is None else last.seconds,
+            deadline_in_seconds=max(0.0, deadline - time.monotonic()),
+            message="" if last is None else last.result.message,
         )
         return 200, reply.model_dump(mode="json")

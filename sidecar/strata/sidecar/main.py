@@ -6,7 +6,6 @@ import ctypes
 import errno
 import logging
 import os
-import platform
 import sys
 
 from strata.config import StrataConfig
@@ -17,34 +16,6 @@ log = logging.getLogger("strata.sidecar")
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
-
-
-_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
-_IOPRIO_CLASS_BE = 2
-
-
-def lower_priority() -> None:
-    """Give training the CPU and the disk first: nice 19 and I/O best-effort level 7.
-
-    Why: promotion copies and checksums gigabytes; at normal priority on a busy 2-core node it
-    slowed a 1-thread training loop by 54-115 %, at nice 19 / idle by <= 4 % (bench/README.md,
-    interference). Threads created later inherit it. Lowering one's own priority needs no
-    capability (restricted Pod Security Standard). Not SCHED_IDLE: that can starve the
-    sidecar's probes and local API entirely while training saturates every core.
-    """
-    try:
-        os.nice(19 - os.nice(0))
-    except OSError as exc:
-        log.info("could not lower the CPU priority: %s", exc)
-    nr = _SYS_IOPRIO_SET.get(platform.machine())
-    if nr is None:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syscall(nr, 1, 0, _IOPRIO_CLASS_BE << 13 | 7) != 0:
-            log.info("could not lower the I/O priority: errno %d", ctypes.get_errno())
-    except OSError as exc:
-        log.info("could not lower the I/O priority: %s", exc)
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -77,7 +48,9 @@ def run_sidecar(log_level: str = "INFO") -> int:
     # Files and directories the sidecar creates in the shared RAM volume stay group-writable,
     # so a trainer running under another UID of the pod's fsGroup can use them.
     os.umask(0o002)
-    lower_priority()
+    # No process-wide nice here: start-up, the readiness probe and the termination flush run at
+    # the pod's priority; only steady-state promotion threads lower themselves
+    # (strata.sidecar.priority).
     bound_heap()
     try:
         config = StrataConfig.from_env()

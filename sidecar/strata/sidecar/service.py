@@ -14,10 +14,14 @@ Life cycle (docs/architecture.md "Parts and data flow"; issue 3):
    (:meth:`Sidecar.prefetch`).
 4. Running: the promotion loop (:class:`strata.sidecar.promotion.PromotionEngine`), the heartbeat
    (``<ram>/<job>/.strata-heartbeat`` for the hostPath janitor), periodic reports.
-5. SIGTERM/SIGINT: stop promoting by interval; if the newest committed RAM step is newer than
-   every durable step, promote it to the fastest durable tier before
-   ``termination_grace_seconds - TERM_MARGIN_SECONDS`` (C-14); send a last report; exit 0 after
-   a clean flush, 1 when the flush failed (logged as an error). SIGKILL loses at most the RAM
+5. Termination: the trainer's notice (``POST /v1/terminate`` from its SIGTERM handler; a native
+   sidecar's own SIGTERM comes only after the trainer exited) or the sidecar's SIGTERM/SIGINT
+   stops promoting by interval and starts the flush at once
+   (:class:`strata.sidecar.termination.TerminationFlush`): if the newest committed RAM step is
+   newer than every durable step, promote it to the fastest durable tier before the first
+   notice's signal time + ``termination_grace_seconds - TERM_MARGIN_SECONDS`` (C-14). On its own
+   SIGTERM the sidecar joins that flush, sends a last report and exits 0 after a clean flush, 1
+   when the flush failed (logged as an error). SIGKILL loses at most the RAM
    tier: durable commits are atomic (manifest last), so a killed promotion leaves only
    uncommitted data that the next sidecar overwrites or garbage-collects.
 """
@@ -29,7 +33,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import FrameType
 from typing import Any
 
@@ -41,9 +45,17 @@ from strata.sidecar.http import Routes, serve_tcp, serve_unix
 from strata.sidecar.janitor import touch_heartbeat
 from strata.sidecar.local_api import LocalApi
 from strata.sidecar.metrics import Metrics
+from strata.sidecar.priority import lower_thread_priority
 from strata.sidecar.promotion import PromotionEngine, PromotionEvent
+from strata.sidecar.promotion.flush import FlushResult
 from strata.sidecar.promotion.policies import tier_policies
 from strata.sidecar.reporter import Reporter
+from strata.sidecar.termination import (
+    MIN_FLUSH_SECONDS,
+    FlushMeter,
+    FlushOutcome,
+    TerminationFlush,
+)
 from strata.tiers.base import Tier
 from strata.tiers.configured import durable_tiers, in_restore_order
 from strata.tiers.ram import RamTier
@@ -81,6 +93,11 @@ class Sidecar:
         self.engine = PromotionEngine(
             config, self.ram, durable, policies=self.policies, on_event=self._on_promotion_event
         )
+        grace = config.termination_grace_seconds
+        self.flush_meter = FlushMeter(self.engine.fastest_durable(), grace, TERM_MARGIN_SECONDS)
+        self.termination = TerminationFlush(
+            self.engine, grace, TERM_MARGIN_SECONDS, on_outcome=self._on_flush
+        )
         self.poll_seconds = poll_seconds
         self.prefetch_enabled = prefetch
         self.report_seconds = report_seconds
@@ -102,6 +119,8 @@ class Sidecar:
             self.metrics,
             self.activity.on_client_event,
             self.ready.is_set,
+            termination=self.termination,
+            flush_estimate=self.flush_meter.estimate,
         )
         self._unix: Any = None
         self._tcp: Any = None
@@ -140,7 +159,47 @@ class Sidecar:
         return Reporter(c.report, on_drop=lambda _why: self.metrics.reports_dropped.inc())
 
     def _on_promotion_event(self, event: PromotionEvent) -> None:
+        self.flush_meter.on_promotion_event(event)
         self.activity.on_promotion_event(event)
+
+    def _on_flush(self, outcome: FlushOutcome) -> None:
+        """Log every pass of the termination flush; a failed one is a reported error."""
+        self.flush_meter.on_flush(outcome)
+        result = outcome.result
+        extra = {
+            "event": "flush",
+            "ok": result.ok,
+            "fit": outcome.fit,
+            "tier": result.tier,
+            "step": result.ram_step,
+            "bytes": result.nbytes,
+            "seconds": round(outcome.seconds, 3),
+        }
+        if result.ok:
+            log.info(
+                "termination flush: %s (RAM step %s, durable step before %s, tier %s, %d bytes, "
+                "%.3fs)",
+                result.message,
+                result.ram_step,
+                result.durable_step,
+                result.tier,
+                result.nbytes,
+                outcome.seconds,
+                extra=extra,
+            )
+        else:
+            log.error(
+                "termination flush FAILED: RAM step %s did not reach the %s tier before the "
+                "deadline: %s",
+                result.ram_step,
+                result.tier,
+                result.message,
+                extra=extra,
+            )
+            self.activity.error(
+                result.tier, f"termination flush of step {result.ram_step} failed: {result.message}"
+            )
+        self.activity.report_due.set()
 
     def send_report(self, only: Collection[str] | None = None) -> None:
         if self.reporter is None:
@@ -148,7 +207,7 @@ class Sidecar:
             return
         report = self.activity.build_report(only)
         if report is not None:
-            self.reporter.submit(report)
+            self.reporter.submit(report.model_copy(update={"flush": self.flush_meter.estimate()}))
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -307,7 +366,7 @@ class Sidecar:
 
     def start_background(self) -> None:
         t = threading.Thread(
-            target=self.engine.run,
+            target=_politely(self.engine.run),
             args=(self.stop, self.poll_seconds),
             name="strata-promotion",
             daemon=True,
@@ -327,7 +386,9 @@ class Sidecar:
         r.start()
         self._threads.append(r)
         if self.peers is not None:
-            p = threading.Thread(target=self.peers.run, args=(self.stop,), name="strata-peers")
+            p = threading.Thread(
+                target=_politely(self.peers.run), args=(self.stop,), name="strata-peers"
+            )
             p.daemon = True
             p.start()
             self._threads.append(p)
@@ -342,31 +403,19 @@ class Sidecar:
         signal.signal(signal.SIGINT, handler)
 
     def shutdown(self) -> int:
-        """SIGTERM path: flush the newest RAM step to the fastest durable tier (C-14)."""
-        grace = self.config.termination_grace_seconds
-        deadline = time.monotonic() + max(1.0, grace - TERM_MARGIN_SECONDS)
+        """SIGTERM path: join (or start) the termination flush of the newest RAM step to the
+        fastest durable tier (C-14), send a last report, close. 0 after a clean flush, else 1."""
         self.stop.set()
-        result = self.engine.flush(deadline)
-        if result.ok:
-            log.info(
-                "SIGTERM flush: %s (RAM step %s, durable step before %s, tier %s)",
-                result.message,
-                result.ram_step,
-                result.durable_step,
-                result.tier,
-                extra={"event": "flush", "ok": True, "tier": result.tier, "step": result.ram_step},
+        deadline = self.termination.notice(0.0, source="sidecar")
+        wait = max(deadline - time.monotonic(), 0.0) + MIN_FLUSH_SECONDS + 1.0
+        outcome = self.termination.wait(None, timeout=wait)
+        result = (
+            outcome.result
+            if outcome is not None
+            else FlushResult(
+                None, None, None, ok=False, message="no flush pass finished before the deadline"
             )
-        else:
-            log.error(
-                "SIGTERM flush FAILED: RAM step %s did not reach the %s tier before the deadline: %s",
-                result.ram_step,
-                result.tier,
-                result.message,
-                extra={"event": "flush", "ok": False, "tier": result.tier, "step": result.ram_step},
-            )
-            self.activity.error(
-                result.tier, f"SIGTERM flush of step {result.ram_step} failed: {result.message}"
-            )
+        )
         remaining = deadline + TERM_MARGIN_SECONDS - time.monotonic()
         try:
             self.send_report(only=("ram", result.tier) if result.tier else ("ram",))
@@ -402,3 +451,13 @@ class Sidecar:
         while not self.terminate.wait(TERM_POLL_SECONDS):
             pass
         return self.shutdown()
+
+
+def _politely(body: Callable[..., None]) -> Callable[..., None]:
+    """``body`` run in a thread lowered to steady-state priority (:mod:`strata.sidecar.priority`)."""
+
+    def run(*args: Any) -> None:
+        lower_thread_priority()
+        body(*args)
+
+    return run

@@ -30,6 +30,8 @@ class FlushResult:
     """Newest step already on a durable tier before the flush."""
     ok: bool
     message: str
+    nbytes: int = 0
+    """Bytes of the shards this flush promoted (0: nothing promoted)."""
 
 
 def flush(engine: PromotionEngine, deadline: float) -> FlushResult:
@@ -68,7 +70,10 @@ def flush(engine: PromotionEngine, deadline: float) -> FlushResult:
                 result = RoundResult(ram_step=step)
                 engine.promote_if_due(tier, step, manifests, True, result)
                 if result.promoted.get(tier) == step:
-                    return FlushResult(tier, step, durable_step, ok=True, message="promoted")
+                    nbytes = sum(m.data_nbytes for m in manifests.values())
+                    return FlushResult(
+                        tier, step, durable_step, ok=True, message="promoted", nbytes=nbytes
+                    )
                 failures = result.failed.get(tier, failures)
             remaining = deadline - engine._clock()
             if remaining <= FIRST_RETRY_SECONDS:
