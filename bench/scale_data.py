@@ -129,13 +129,13 @@ class CountingTier(Tier):
         return out
 
     def list_step(self, job_id: str, step: int) -> StepListing | None:
-        out: StepListing | None = self.inner.list_step(job_id, step)  # type: ignore[attr-defined]
+        out: StepListing | None = self.inner.list_step(job_id, step)
         n = 0 if out is None else _objects({step: out})
         self._n("list", _pages(n), listed=n)
         return out
 
-    def list_step_names(self, job_id: str) -> list[int]:
-        out: list[int] = self.inner.list_step_names(job_id)  # type: ignore[attr-defined]
+    def step_numbers(self, job_id: str) -> list[int]:
+        out: list[int] = self.inner.step_numbers(job_id)
         self._n("list", _pages(len(out)), listed=len(out))
         return out
 
@@ -325,7 +325,7 @@ class MemoryTier(_GcsLike, Tier):
         with self._lock:
             return self._listing(job_id, step)
 
-    def list_step_names(self, job_id: str) -> list[int]:
+    def step_numbers(self, job_id: str) -> list[int]:
         with self._lock:
             return sorted(self._steps.get(job_id, {}))
 
@@ -658,6 +658,12 @@ class _WriterView(Tier):
 
     def list_steps(self, job_id: str) -> dict[int, StepListing]:
         return self.shared.list_steps(job_id)
+
+    def step_numbers(self, job_id: str) -> list[int]:
+        return self.shared.step_numbers(job_id)
+
+    def list_step(self, job_id: str, step: int) -> StepListing | None:
+        return self.shared.list_step(job_id, step)
 
     def get_manifest(self, job_id: str, step: int, rank: int) -> Manifest:
         return self.shared.get_manifest(job_id, step, rank)
