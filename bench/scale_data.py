@@ -491,7 +491,13 @@ class HttpCounter:
 
 
 def _write_ram(
-    ram: RamTier, provider: LocalSlotProvider, step: int, rank: int, world: int, nbytes: int
+    ram: RamTier,
+    provider: LocalSlotProvider,
+    step: int,
+    rank: int,
+    world: int,
+    nbytes: int,
+    ranks_per_node: int,
 ) -> None:
     """Commit a shard in RAM as the client does (slot under lock, manifest last, checksums)."""
     data = (f"s{step}r{rank};".encode() * (nbytes // 6 + 1))[:nbytes]
@@ -501,7 +507,7 @@ def _write_ram(
         step=step,
         rank=rank,
         world_size=world,
-        writer_id=f"node-{rank}/rank-{rank}",
+        writer_id=f"node-{rank // ranks_per_node}/rank-{rank}",
         tree={"step": step},
         tensors=[],
         storages=[StorageEntry(offset=0, nbytes=len(data))],
@@ -602,7 +608,7 @@ def simulate(
             step = k * 10
             for node in nodes:
                 for r in node.ranks:
-                    _write_ram(node.ram, node.provider, step, r, world, shard_bytes)
+                    _write_ram(node.ram, node.provider, step, r, world, shard_bytes, ranks_per_node)
             before = [_snapshot(node) for node in nodes]
             rounds = 0
             committed_at = None
@@ -922,8 +928,24 @@ def main(argv: list[str] | None = None) -> int:
             "shard_bytes": args.shard_bytes,
             "list_page_objects": PAGE,
         },
-        "requests_per_sidecar_per_step": {k: v["requests_per_sidecar"] for k, v in runs.items()},
-        "requests_total_per_step": {k: v["requests_total"] for k, v in runs.items()},
+        # Keyed by W: the in-memory tier where it ran (every W), else the real tier's figure;
+        # every backend's figures are under "by_backend".
+        "requests_per_sidecar_per_step": _by_world(runs, "requests_per_sidecar"),
+        "requests_per_sidecar_max_per_step": _by_world(runs, "requests_per_sidecar_max"),
+        "requests_total_per_step": _by_world(runs, "requests_total"),
+        "commit_latency_rounds": _by_world(runs, "commit_round"),
+        "metadata_bytes_per_step": _by_world(runs, "metadata_bytes_total"),
+        "by_backend": {
+            "requests_per_sidecar_per_step": {
+                k: v["requests_per_sidecar"] for k, v in runs.items()
+            },
+            "requests_total_per_step": {k: v["requests_total"] for k, v in runs.items()},
+            "gcs_http_requests_per_sidecar_per_step": {
+                k: v["http_requests_per_sidecar"]
+                for k, v in runs.items()
+                if "http_requests_per_sidecar" in v
+            },
+        },
         "growth_per_sidecar": _growth(runs),
         "runs": runs,
         "restore": restore,
@@ -932,6 +954,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def _by_world(runs: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for backend in ("posix", "gcs", "memory"):  # later ones win: memory runs at every W
+        for k, v in runs.items():
+            if k.startswith(backend + "/"):
+                out[k.split("/")[1]] = v[key]
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def _growth(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
