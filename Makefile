@@ -11,7 +11,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
 .PHONY: help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
-        manifests manifests-check dist bench bench-sharded bench-smoke tools cluster-up cluster-down scale clean chaos
+        manifests manifests-check dist bench bench-sharded bench-smoke scale-data tools cluster-up cluster-down scale clean chaos
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -91,6 +91,9 @@ cluster-down: $(STAMP) ## stop the local control plane
 
 scale: $(STAMP) tools ## scale check, not in `make test`: 1,000 kwok nodes, a 1,000-pod JobSet, 1,000 reporting sidecars -> e2e/results/scale-latest.json
 	$(BIN)/python -m e2e.scale $(SCALE_ARGS)
+
+scale-data: $(STAMP) ## data-plane scale simulation: tier requests per sidecar per step, W up to 16,384 -> bench/results/scale-data.json
+	$(BIN)/python -m bench.scale_data $(SCALE_DATA_ARGS)
 
 bench: $(STAMP) ## benchmarks with side-by-side ratios -> bench/results/
 	$(BIN)/python -m bench.run $(BENCH_ARGS)

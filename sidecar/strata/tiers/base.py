@@ -215,6 +215,19 @@ class Tier(abc.ABC):
         """Names (last path component) of the objects directly under layout ``prefix``."""
         return []
 
+    # -- scoped reads (a sidecar's cost per step independent of the world size) ---------------
+
+    def step_numbers(self, job_id: str) -> list[int]:
+        """The steps of ``job_id`` that hold any object, ascending, without looking inside them
+        (GCS: one delimiter listing, a page per 1,000 steps; POSIX: one directory read).
+        Default: the keys of :meth:`list_steps`. :class:`TierError` when it cannot be listed."""
+        return sorted(self.list_steps(job_id))
+
+    def list_step(self, job_id: str, step: int) -> StepListing | None:
+        """What the tier holds of one step (None: nothing), listing that step alone (its W
+        ranks' objects, not the whole job's). Default: from :meth:`list_steps`."""
+        return self.list_steps(job_id).get(step)
+
     def complete_steps(self, job_id: str) -> list[int]:
         """Steps whose every rank is committed here, ascending."""
         return sorted(s for s, listing in self.list_steps(job_id).items() if listing.complete)

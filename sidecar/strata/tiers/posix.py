@@ -169,6 +169,22 @@ class PosixTier(PosixRecords, Tier):
                 out[step] = listing
         return out
 
+    def step_numbers(self, job_id: str) -> list[int]:
+        """Steps of ``job_id`` with a directory (one read of ``steps/``, none of the steps)."""
+        try:
+            names = [
+                e.name for e in os.scandir(self.root / layout.steps_prefix(job_id)) if e.is_dir()
+            ]
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise TierError(f"cannot list {self.root} ({exc.strerror}); check the mount") from exc
+        return sorted(s for n in names if (s := layout.parse_step(n)) is not None)
+
+    def list_step(self, job_id: str, step: int) -> StepListing | None:
+        """One step's directory alone."""
+        return self._list_step(job_id, step, self.step_dir(job_id, step))
+
     def _list_step(self, job_id: str, step: int, d: Path) -> StepListing | None:
         manifests: set[int] = set()
         datas: set[int] = set()

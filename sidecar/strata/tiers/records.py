@@ -55,12 +55,13 @@ def committed_steps(
 ) -> dict[int, StepCommit]:
     """Steps of ``tier`` whose commit record verifies (its seal; not yet against the shards).
 
-    ``steps``: only these (default: every step the listing shows with a record). A bad record
+    ``steps``: only these (default: every step of :meth:`Tier.step_numbers`, one read of each
+    step's record: the cost is the number of steps, never the number of shards). A bad record
     is logged and left out (the step is then not complete there). :class:`TierError` when the
     tier cannot be listed.
     """
     if steps is None:
-        steps = [s for s, li in tier.list_steps(job_id).items() if li.has_commit]
+        steps = tier.step_numbers(job_id)
     out: dict[int, StepCommit] = {}
     for step in steps:
         try:
@@ -108,7 +109,7 @@ def commit_if_complete(
     Raises :class:`CommitError` when a different record is already there, :class:`TierError`
     (:class:`TierFull`) when the tier fails; nothing partial is ever left visible.
     """
-    listing = tier.list_steps(job_id).get(step)
+    listing = tier.list_step(job_id, step)  # that step alone, never the whole job
     if listing is None or not listing.committed_ranks or listing.world_size is None:
         return None
     if not set(range(listing.world_size)) <= listing.committed_ranks:

@@ -157,7 +157,9 @@ class ShardCopier:
         if key not in self.bases and key not in self._looked:
             self._looked.add(key)
             try:
-                steps = sorted((s for s in dest.list_steps(self.job_id) if s < step), reverse=True)
+                steps = sorted(
+                    (s for s in dest.step_numbers(self.job_id) if s < step), reverse=True
+                )
                 for s in steps[:4]:
                     m = dest.get_manifest(self.job_id, s, rank)
                     if m.refs is None and m.verified:

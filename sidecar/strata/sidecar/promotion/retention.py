@@ -97,6 +97,8 @@ class Retention:
         self.grace_seconds = grace_seconds
         self.wrote = wrote
         self.emit = emit
+        self._done: set[tuple[str, int]] = set()
+        """(tier, step) whose ranks of this sidecar are deleted (scoped maintenance)."""
 
     def maintain(
         self,
@@ -116,7 +118,11 @@ class Retention:
         if not ranks:
             return []
         try:
-            listings = tier.list_steps(self.job_id)
+            listings = (
+                self._scoped_listings(tier, ranks)
+                if complete is not None
+                else tier.list_steps(self.job_id)
+            )
         except TierError as exc:
             log.warning("retention on %s skipped: %s", tier.name, exc)
             return []
@@ -149,24 +155,47 @@ class Retention:
             mine = self._gc_ranks(tier, listings[step], ranks)
             if mine and self._delete(tier, step, mine, "gc"):
                 touched.append(step)
-        try:
-            tier.gc_incomplete(self.job_id, self.grace_seconds)
-        except TierError as exc:
-            log.warning("GC of uncommitted objects on %s failed: %s", tier.name, exc)
+        if complete is None:
+            # Scoped (complete given): the rank-scoped deletes above also remove the leftovers
+            # of interrupted uploads of these ranks, so the job-wide scan is not needed.
+            try:
+                tier.gc_incomplete(self.job_id, self.grace_seconds)
+            except TierError as exc:
+                log.warning("GC of uncommitted objects on %s failed: %s", tier.name, exc)
+        else:
+            self._done.update((tier.name, s) for s in touched)
+            self._done &= {(tier.name, s) for s in listings} | {
+                k for k in self._done if k[0] != tier.name
+            }
         for step in list(first_seen):
             if step not in listings:
                 del first_seen[step]
         return touched
 
+    def _scoped_listings(self, tier: Tier, ranks: set[int]) -> dict[int, StepListing]:
+        """Every step of the tier (one listing of the step names, never of their shards), each
+        standing for this sidecar's ranks only: retention deletes just those ranks, so it need
+        not know the others (cost O(own ranks), not O(world size)). Steps whose ranks this
+        sidecar already deleted are left out until they vanish. ``mtime`` is unknown: the GC
+        grace period counts from when this engine first saw the step."""
+        mine = frozenset(ranks)
+        return {
+            s: StepListing(step=s, committed_ranks=mine, partial_ranks=mine)
+            for s in tier.step_numbers(self.job_id)
+            if (tier.name, s) not in self._done
+        }
+
     def _gc_ranks(self, tier: Tier, listing: StepListing, ranks: set[int]) -> frozenset[int]:
         """Local ranks of an incomplete step that this writer may delete: uncommitted data, and
         committed shards whose manifest names this writer."""
-        out = set(ranks & listing.partial_ranks)
+        out = set(ranks & listing.partial_ranks - listing.committed_ranks)
         for rank in ranks & listing.committed_ranks:
             try:
                 if self.wrote(tier.get_manifest(self.job_id, listing.step, rank).writer_id):
                     out.add(rank)
             except ShardUnavailable:
+                if rank in listing.partial_ranks:  # scoped: no manifest, so uncommitted
+                    out.add(rank)
                 continue
         return frozenset(out)
 

@@ -48,6 +48,7 @@ from strata import faults
 from strata.config import StrataConfig, TierName
 from strata.errors import CommitError, ShardCorrupt, ShardUnavailable, TierError
 from strata.format.manifest import Manifest
+from strata.sidecar.promotion.committer import CommitDuty
 from strata.sidecar.promotion.copy import ShardCopier
 from strata.sidecar.promotion.events import PromotionEvent, RoundResult
 from strata.sidecar.promotion.flush import FlushResult, flush
@@ -58,7 +59,7 @@ from strata.sidecar.promotion.retention import Retention
 from strata.sidecar.promotion.world import RamWorld, World
 from strata.tiers.base import StepListing, Tier
 from strata.tiers.ram import RamTier
-from strata.tiers.records import commit_if_complete, committed_steps, lineage
+from strata.tiers.records import committed_steps, lineage
 from strata.tiers.slots import SlotLease
 
 log = logging.getLogger("strata.promotion")
@@ -147,6 +148,8 @@ class PromotionEngine:
         self.retention = Retention(
             self.job_id, grace_seconds=config.gc_grace_seconds, wrote=self.wrote, emit=self._emit
         )
+        self.commits = CommitDuty(clock)
+        """Designated commit writer per step, with takeover (:mod:`.committer`)."""
 
     # -- ranks and RAM state ----------------------------------------------------------------------
 
@@ -386,17 +389,20 @@ class PromotionEngine:
         self._commit(name, step, result)
 
     def _commit(self, name: TierName, step: int, result: RoundResult) -> None:
-        """Write the step's global commit record in the tier if every rank's shard of the
-        current incarnation is there (any sidecar that sees it complete does; idempotent)."""
+        """Learn or write the step's global commit record in the tier: its designated writer
+        writes it once every rank's shard of the current incarnation is there, the others read
+        it (or take over after a timeout); :mod:`strata.sidecar.promotion.committer`."""
         tier = self.durable[name]
         try:
-            commit = commit_if_complete(
+            commit = self.commits.settle(
                 tier,
                 self.job_id,
                 step,
-                self.writer_id,
-                self.world.incarnation,
-                self.world.chain(),
+                writer_id=self.writer_id,
+                ranks=self.world.ranks,
+                world_size=self.world.world_size,
+                incarnation=self.world.incarnation,
+                records=self.world.chain(),
             )
         except (TierError, CommitError) as exc:
             log.warning("commit record of step %d in %s not written: %s", step, name, exc)
@@ -429,19 +435,24 @@ class PromotionEngine:
                 self.refresh_tier(name)
 
     def _commit_finished(self, name: TierName, result: RoundResult) -> None:
-        """Commit steps whose shards are all in the tier but whose record is missing: the
-        sidecar that placed the last shard died before writing it (any sidecar finishes it)."""
+        """Commit steps newer than the tier's newest commit whose record is missing: steps
+        this sidecar placed shards of (their designated writer may have died: takeover) and
+        steps it is the designated writer of (its RAM may have lost them). One listing of the
+        step names, never of the shards (:mod:`strata.sidecar.promotion.committer`)."""
         if not self.refresh_tier(name):
             return
-        last = self._progress[name].last_step
+        p = self._progress[name]
         try:
-            listing = self.durable[name].list_steps(self.job_id)
+            steps = self.durable[name].step_numbers(self.job_id)
         except TierError:
             return
-        for step, entry in sorted(listing.items()):
-            if entry.has_commit or not entry.complete or (last is not None and step <= last):
+        for step in steps:
+            if step in p.committed or (p.last_step is not None and step <= p.last_step):
                 continue
-            self._commit(name, step, result)
+            if step in p.placed or self.commits.designated(
+                step, self.world.world_size, self.world.ranks
+            ):
+                self._commit(name, step, result)
 
     def _promote_step(self, name: TierName, step: int, manifests: dict[int, Manifest]) -> list[str]:
         """Copy every local shard of ``step`` into tier ``name``; returns failure messages.

@@ -106,11 +106,16 @@ class GcsTier(GcsUploader, GcsDownloader, GcsRecords, Tier):
 
     # -- listing -------------------------------------------------------------------------------
 
-    def _scan(self, job_id: str, step: int | None = None) -> dict[int, dict[str, storage.Blob]]:
-        """Every object under ``<prefix>/<job>/steps/`` (or only ``step``'s), as
+    def _scan(
+        self, job_id: str, step: int | None = None, stem: str = ""
+    ) -> dict[int, dict[str, storage.Blob]]:
+        """Every object under ``<prefix>/<job>/steps/`` (or only ``step``'s, or only the
+        objects of ``step`` whose name starts with ``stem``, e.g. ``rank-00042.``), as
         {step: {file name: blob}}."""
         base = self.object_name(layout.steps_prefix(job_id)) + "/"
-        prefix = base if step is None else self.object_name(layout.step_key(job_id, step)) + "/"
+        prefix = (
+            base if step is None else self.object_name(layout.step_key(job_id, step)) + "/" + stem
+        )
         out: dict[int, dict[str, storage.Blob]] = {}
         with self._errors("listing", prefix):
             for blob in self._client.list_blobs(
@@ -167,6 +172,29 @@ class GcsTier(GcsUploader, GcsDownloader, GcsRecords, Tier):
                 result[step] = listing
         return result
 
+    def step_numbers(self, job_id: str) -> list[int]:
+        """Steps of ``job_id`` holding any object: one delimiter listing of ``steps/`` (the
+        server returns one prefix per step, 1,000 a page), never the steps' objects."""
+        base = self.object_name(layout.steps_prefix(job_id)) + "/"
+        with self._errors("listing", base):
+            pages = self._client.list_blobs(
+                self._bucket,
+                prefix=base,
+                delimiter="/",
+                retry=self._retry,
+                timeout=self.request_timeout,
+            )
+            for _ in pages:  # objects directly under steps/ (none in the layout)
+                pass
+            prefixes = set(pages.prefixes)
+        steps = (layout.parse_step(p[len(base) :].rstrip("/")) for p in prefixes)
+        return sorted(s for s in steps if s is not None)
+
+    def list_step(self, job_id: str, step: int) -> StepListing | None:
+        """One step's objects (a prefix listing of that step alone)."""
+        listing = self._listing(job_id, step, self._scan(job_id, step).get(step, {}))
+        return listing if listing.committed_ranks or listing.partial_ranks else None
+
     # -- un-commit, delete, garbage collection -----------------------------------------------
 
     def quarantine(self, job_id: str, step: int, rank: int, reason: str) -> None:
@@ -210,8 +238,25 @@ class GcsTier(GcsUploader, GcsDownloader, GcsRecords, Tier):
         """Delete a step (all objects under it) or some ranks' objects: manifests first
         (un-commit), then data and leftovers. Each delete is pinned to the listed generation; an
         object replaced since the listing is kept (logged)."""
-        objects = self._scan(job_id, step).get(step, {})
         stems = None if ranks is None else {layout.shard_stem(r) for r in ranks}
+        if stems is None:
+            objects = self._scan(job_id, step).get(step, {})
+        else:
+            # Only these ranks' objects: one listing per rank prefix, never the whole step
+            # (W ranks), so a sidecar's retention costs O(its own ranks).
+            objects = {}
+            for stem in sorted(stems):
+                objects.update(self._scan(job_id, step, stem + ".").get(step, {}))
+            name = self.object_name(layout.commit_key(job_id, step))
+            if any(
+                (p := layout.parse_shard(f)) is not None and p[1] == "manifest" for f in objects
+            ):
+                with self._errors("reading", name, missing=ShardUnavailable):
+                    blob = self._bucket.get_blob(
+                        name, retry=self._retry, timeout=self.request_timeout
+                    )
+                if blob is not None:
+                    objects[layout.COMMIT_NAME] = blob
         manifests: list[storage.Blob] = []
         others: list[storage.Blob] = []
         for fname, blob in objects.items():
