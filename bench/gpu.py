@@ -96,7 +96,7 @@ class _Mapping:
     def register(self) -> None:
         import torch
 
-        err = torch.cuda.cudart().cudaHostRegister(self.addr, len(self.mm), 0)
+        err = torch.cuda.cudart().cudaHostRegister(self.addr, len(self.mm), 1)  # portable
         if int(getattr(err, "value", err)) != 0:
             raise RuntimeError(f"cudaHostRegister returned {err}")
         self.registered = True
