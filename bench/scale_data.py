@@ -246,6 +246,8 @@ class MemoryTier(_GcsLike, Tier):
         self._steps: dict[str, dict[int, dict[str, str]]] = {}
         """job -> step -> file name -> key (an index of objects under steps/)."""
         self._cache: dict[tuple[str, int], StepListing] = {}
+        self._records: dict[str, set[str]] = {}
+        """parent key -> names directly under it (list_records without a scan)."""
         self.scans = 0
         self.last_scan_objects = 0
 
@@ -269,11 +271,15 @@ class MemoryTier(_GcsLike, Tier):
                 by_step.pop(step, None)
 
     def _put(self, key: str, payload: bytes, writer: str) -> None:
+        parent, _, leaf = key.rpartition("/")
+        self._records.setdefault(parent, set()).add(leaf)
         self.objects[key] = (payload, self._clock(), writer)
         self._parsed.pop(key, None)
         self._index(key, True)
 
     def _del(self, key: str) -> None:
+        parent, _, leaf = key.rpartition("/")
+        self._records.get(parent, set()).discard(leaf)
         if self.objects.pop(key, None) is not None:
             self._parsed.pop(key, None)
             self._index(key, False)
@@ -449,11 +455,8 @@ class MemoryTier(_GcsLike, Tier):
             self._del(key)
 
     def list_records(self, prefix: str) -> list[str]:
-        p = prefix.rstrip("/") + "/"
         with self._lock:
-            return sorted(
-                k[len(p) :] for k in self.objects if k.startswith(p) and "/" not in k[len(p) :]
-            )
+            return sorted(self._records.get(prefix.rstrip("/"), ()))
 
 
 # -- GCS: count the real client's HTTP requests --------------------------------------------------
