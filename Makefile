@@ -34,7 +34,7 @@ check: $(STAMP) ## the inner loop (under a minute warm): ruff, format check, myp
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -m unit -q -p no:cacheprovider tests $(PYTEST_ARGS)
 
-test: $(STAMP) lint typecheck crds-check tools manifests-check ## every test: lint, CRD freshness, unit, integration, e2e
+test: $(STAMP) lint typecheck crds-check tools images manifests-check ## every test: lint, CRD freshness, unit, integration, e2e
 	$(BIN)/python -m pytest -p no:cacheprovider tests e2e $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## unit tests only
@@ -43,7 +43,7 @@ test-unit: $(STAMP) ## unit tests only
 test-integration: $(STAMP) ## integration tests only (tmpfs, fake-gcs-server, processes)
 	$(BIN)/python -m pytest -m integration tests $(PYTEST_ARGS)
 
-test-e2e: $(STAMP) tools ## end-to-end tests on the local control plane
+test-e2e: $(STAMP) tools images ## end-to-end tests on the local control plane
 	$(BIN)/python -m pytest e2e $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff lint + format check, import contracts

@@ -38,7 +38,9 @@ from e2e.node.images import (
 from e2e.operator_fixtures import OperatorProcess
 from strata_operator.constants import POLICY_LABEL, RUN_ID_ANNOTATION
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_node]
+# Setting up the module's node (and, cold, building the images: `make images` does it before
+# `make test`) takes minutes on a loaded machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.real_node, pytest.mark.timeout(1500)]
 
 SIDECAR_IMAGE = "strata.dev/sidecar:e2e"
 TRAINER_IMAGE = "strata.dev/trainer:e2e"
@@ -107,7 +109,8 @@ def archive_config(archive: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize("spec", IMAGES, ids=[s.name for s in IMAGES])
 def test_image_config_matches_its_dockerfile(
-    spec: Any, strata_images: dict[str, BuiltImage]  # noqa: F811
+    spec: Any,
+    strata_images: dict[str, BuiltImage],  # noqa: F811
 ) -> None:
     img = strata_images[spec.name]
     declared = final_stage_instructions(REPO_ROOT / spec.dockerfile)
@@ -155,10 +158,17 @@ def setup_pvc(cluster: LocalCluster, ns: str, path: Path) -> None:
             "resources": {"requests": {"storage": "1Gi"}},
         },
     }
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]}))
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]}),
+    )
     wait_for(
         "the PVC to be Bound",
-        lambda: kubectl_json(cluster, "-n", ns, "get", "pvc", "ckpt")["status"].get("phase") == "Bound",
+        lambda: (
+            kubectl_json(cluster, "-n", ns, "get", "pvc", "ckpt")["status"].get("phase") == "Bound"
+        ),
     )
 
 
@@ -213,16 +223,23 @@ def trainer_pod(name: str, run_id: str, steps: int) -> dict[str, Any]:
                         "capabilities": {"drop": ["ALL"]},
                     },
                     "volumeMounts": [
-                        {"name": "torch", "mountPath": "/host-torch", "readOnly": True}
+                        {"name": "torch", "mountPath": "/host-torch", "readOnly": True},
+                        # torch needs a writable temporary directory at import time.
+                        {"name": "tmp", "mountPath": "/tmp"},
                     ],
                 }
             ],
-            "volumes": [{"name": "torch", "hostPath": {"path": site, "type": "Directory"}}],
+            "volumes": [
+                {"name": "torch", "hostPath": {"path": site, "type": "Directory"}},
+                {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+            ],
         },
     }
 
 
-def pod_events(cluster: LocalCluster, ns: str, pod: str, previous: bool = False) -> list[dict[str, Any]]:
+def pod_events(
+    cluster: LocalCluster, ns: str, pod: str, previous: bool = False
+) -> list[dict[str, Any]]:
     args = ["-n", ns, "logs", pod, "-c", "trainer"]
     if previous:
         args.append("--previous")
@@ -239,7 +256,10 @@ def pod_events(cluster: LocalCluster, ns: str, pod: str, previous: bool = False)
 
 def container_status(pod: dict[str, Any], name: str) -> dict[str, Any]:
     status = pod.get("status") or {}
-    for s in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+    for s in [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]:
         if s["name"] == name:
             return dict(s)
     return {}
@@ -257,10 +277,14 @@ def wait_running(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
         return wait_for(f"pod {name} Running", running, timeout=240)  # type: ignore[no-any-return]
     except AssertionError:
         pod = kubectl_json(cluster, "-n", ns, "get", "pod", name)
-        raise AssertionError(f"pod {name} not Running: {json.dumps(pod.get('status'), indent=1)}") from None
+        raise AssertionError(
+            f"pod {name} not Running: {json.dumps(pod.get('status'), indent=1)}"
+        ) from None
 
 
-def saved_events(cluster: LocalCluster, ns: str, pod: str, previous: bool = False) -> list[dict[str, Any]]:
+def saved_events(
+    cluster: LocalCluster, ns: str, pod: str, previous: bool = False
+) -> list[dict[str, Any]]:
     return [e for e in pod_events(cluster, ns, pod, previous) if e["event"] == "saved" and e["ok"]]
 
 
@@ -340,9 +364,11 @@ def test_injected_pod_sigkill_restores_from_ram(
 def test_pod_delete_replacement_restores_from_pvc(
     flow: tuple[LocalCluster, str, RealNode], request: pytest.FixtureRequest
 ) -> None:
-    cluster, ns, node = flow
+    cluster, ns, _ = flow
     run_id = f"{ns}.pvc-{uuid.uuid4().hex[:4]}"
-    cluster.kubectl("-n", ns, "create", "-f", "-", input=json.dumps(trainer_pod("first", run_id, 400)))
+    cluster.kubectl(
+        "-n", ns, "create", "-f", "-", input=json.dumps(trainer_pod("first", run_id, 400))
+    )
     wait_running(cluster, ns, "first")
     wait_for(
         "a save past the second PVC step",
@@ -359,17 +385,23 @@ def test_pod_delete_replacement_restores_from_pvc(
         current = saved_events(cluster, ns, "first")
         if len(current) >= len(saves):
             saves = current
-        return not cluster.kubectl("-n", ns, "get", "pod", "first", "--ignore-not-found", check=False).strip()
+        return not cluster.kubectl(
+            "-n", ns, "get", "pod", "first", "--ignore-not-found", check=False
+        ).strip()
 
     wait_for("the pod to be deleted", gone, timeout=120)
     delete_s = time.monotonic() - begin
     by_step = {e["step"]: e["weights_sha256"] for e in saves}
     newest = max(by_step)
-    cluster.kubectl("-n", ns, "create", "-f", "-", input=json.dumps(trainer_pod("second", run_id, 400)))
+    cluster.kubectl(
+        "-n", ns, "create", "-f", "-", input=json.dumps(trainer_pod("second", run_id, 400))
+    )
     wait_running(cluster, ns, "second")
     restored = wait_for(
         "the restored event",
-        lambda: next((e for e in pod_events(cluster, ns, "second") if e["event"] == "restored"), None),
+        lambda: next(
+            (e for e in pod_events(cluster, ns, "second") if e["event"] == "restored"), None
+        ),
         timeout=180,
     )
     assert restored["tier"] == "pvc", restored

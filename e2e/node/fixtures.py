@@ -3,7 +3,7 @@
 - ``strata_images`` (session): Strata's images built from their Dockerfiles (`e2e.node.images`),
   ``{name: BuiltImage}``; cached across sessions.
 - ``real_node`` (module): a `RealNode` joined to the session's ``k8s_cluster``, Strata's images
-  imported into its containerd; stopped at the end of the module, and the test errors when
+  imported into its containerd (`POD_IMAGES`); stopped at the end of the module, and the test errors when
   anything of it is left on the machine.
 
 A missing prerequisite (root, containerd, runc, CNI plugins, mmdebstrap, the kubelet build) skips
@@ -24,6 +24,9 @@ from e2e.cluster import LocalCluster
 from e2e.fixtures import REQUIRE_E2E_ENV
 from e2e.node.harness import NodeUnavailable, RealNode, missing_prerequisites
 from e2e.node.images import IMAGES, BuiltImage, ImageBuildError, build_image
+
+POD_IMAGES = ("strata.dev/sidecar:e2e", "strata.dev/trainer:e2e")
+"""Images imported into the node (the operator runs as a local process in these tests)."""
 
 
 def unavailable(reason: str) -> None:
@@ -70,10 +73,11 @@ def real_node(
         unavailable(str(exc))
     imports = {}
     try:
-        for name, img in strata_images.items():
-            imports[name] = node.import_image(img.archive)
+        for name in POD_IMAGES:
+            imports[name] = node.import_image(strata_images[name].archive)
     except BaseException:
         node.stop()
+        shutil.rmtree(directory, ignore_errors=True)
         raise
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

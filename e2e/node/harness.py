@@ -78,7 +78,9 @@ def missing_prerequisites(bin_dir: Path) -> list[str]:
         if shutil.which(tool) is None:
             missing.append(f"{tool} (apt-get install iproute2 mount)")
     if cni_bin_dir() is None:
-        missing.append("CNI plugins bridge/host-local/loopback (apt-get install containernetworking-plugins)")
+        missing.append(
+            "CNI plugins bridge/host-local/loopback (apt-get install containernetworking-plugins)"
+        )
     for b in ("kubelet", "pause"):
         if not (bin_dir / b).is_file():
             missing.append(f"{bin_dir / b} (make tools)")
@@ -88,7 +90,9 @@ def missing_prerequisites(bin_dir: Path) -> list[str]:
 
 
 def _routes() -> list[ipaddress.IPv4Network]:
-    out = subprocess.run(["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True
+    )
     nets: list[ipaddress.IPv4Network] = []
     for line in out.stdout.splitlines():
         first = line.split()[0] if line.split() else ""
@@ -152,6 +156,7 @@ class RealNode:
         self.containerd: Component | None = None
         self.kubelet: Component | None = None
         self._netns_before: set[str] = set()
+        self._log_links_existed = True
         self.timings: dict[str, float] = {}
         self.bin_dir = cluster.bin_dir
 
@@ -175,6 +180,7 @@ class RealNode:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         self._netns_before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
+        self._log_links_existed = POD_LOG_LINKS.is_dir()
         try:
             self._network()
             self._cgroups()
@@ -292,14 +298,25 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
     def ctr(self, *args: str, check: bool = True, timeout: float = 300.0) -> str:
         """Run ``ctr`` against this node's containerd in the ``k8s.io`` namespace; stdout."""
         return _run(
-            "ctr", "--address", str(self.containerd_sock), "--namespace", "k8s.io", *args,
-            check=check, timeout=timeout,
+            "ctr",
+            "--address",
+            str(self.containerd_sock),
+            "--namespace",
+            "k8s.io",
+            *args,
+            check=check,
+            timeout=timeout,
         ).stdout
 
     def _ctr_ok(self) -> bool:
         if not self.containerd_sock.exists():
             return False
-        return _run("ctr", "--address", str(self.containerd_sock), "version", check=False, timeout=10).returncode == 0
+        return (
+            _run(
+                "ctr", "--address", str(self.containerd_sock), "version", check=False, timeout=10
+            ).returncode
+            == 0
+        )
 
     def import_image(self, archive: Path) -> float:
         """Load an OCI image archive (its ``io.containerd.image.name`` annotation names it);
@@ -320,8 +337,11 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         p = c.pki
         kubeconfig = write_kubeconfig(self.directory / "kubelet.kubeconfig", c.server, p, "kubelet")
         c.kubectl(
-            "create", "clusterrolebinding", f"strata-real-node-{self.id}",
-            "--clusterrole=system:node", f"--user=system:node:{self.name}",
+            "create",
+            "clusterrolebinding",
+            f"strata-real-node-{self.id}",
+            "--clusterrole=system:node",
+            f"--user=system:node:{self.name}",
         )
         self.kubelet_port = free_port()
         self.healthz_port = free_port()
@@ -418,7 +438,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             m = pod["metadata"]
             with contextlib.suppress(OSError):
                 self.cluster.request(
-                    f"/api/v1/namespaces/{m['namespace']}/pods/{m['name']}", "DELETE",
+                    f"/api/v1/namespaces/{m['namespace']}/pods/{m['name']}",
+                    "DELETE",
                     {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 5},
                 )
         deadline = time.monotonic() + timeout
@@ -430,7 +451,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             m = pod["metadata"]
             with contextlib.suppress(OSError):
                 self.cluster.request(
-                    f"/api/v1/namespaces/{m['namespace']}/pods/{m['name']}", "DELETE",
+                    f"/api/v1/namespaces/{m['namespace']}/pods/{m['name']}",
+                    "DELETE",
                     {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0},
                 )
 
@@ -442,17 +464,23 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         def step(what: str, fn: Any) -> None:
             try:
                 fn()
-            except Exception as exc:  # noqa: BLE001 - keep tearing down
+            except Exception as exc:  # keep tearing down
                 errors.append(f"{what}: {exc}")
 
         if self.kubelet is not None and self.kubelet.alive() and self.containerd is not None:
             step("deleting pods", self.delete_pods)
         if self.kubelet is not None:
-            step("stopping the kubelet", lambda: self.kubelet.stop(grace=15) if self.kubelet else None)
+            step(
+                "stopping the kubelet",
+                lambda: self.kubelet.stop(grace=15) if self.kubelet else None,
+            )
         if self.containerd is not None and self.containerd.alive():
             step("removing containers", self._remove_containers)
         if self.containerd is not None:
-            step("stopping containerd", lambda: self.containerd.stop(grace=15) if self.containerd else None)
+            step(
+                "stopping containerd",
+                lambda: self.containerd.stop(grace=15) if self.containerd else None,
+            )
         step("killing shims", self._kill_shims)
         step("unmounting", self._unmount)
         step("removing netns", self._remove_netns)
@@ -461,7 +489,10 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         step("removing pod log links", self._remove_log_links)
         with contextlib.suppress(OSError):
             self.cluster.kubectl(
-                "delete", "clusterrolebinding", f"strata-real-node-{self.id}", "--ignore-not-found",
+                "delete",
+                "clusterrolebinding",
+                f"strata-real-node-{self.id}",
+                "--ignore-not-found",
                 check=False,
             )
             self.cluster.kubectl("delete", "node", self.name, "--ignore-not-found", check=False)
@@ -524,7 +555,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             top = h / self.cgroup.lstrip("/")
             if not top.is_dir():
                 continue
-            dirs = sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
+            dirs = sorted(
+                (p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+            )
             for d in [*dirs, top]:
                 for _ in range(20):
                     try:
@@ -553,6 +586,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             with contextlib.suppress(OSError):
                 if link.is_symlink() and os.readlink(link).startswith(str(self.directory)):
                     link.unlink()
+        if not self._log_links_existed:
+            with contextlib.suppress(OSError):
+                POD_LOG_LINKS.rmdir()  # the kubelet made it; only when empty
 
     def leftovers(self) -> list[str]:
         """What of this node still exists on the machine (empty after a clean `stop`)."""

@@ -117,9 +117,10 @@ def base_rootfs(ref: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise ImageBuildError(f"FROM {ref}: {' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
     tmp.rename(out)
-    print(f"[images] base {ref} built in {time.monotonic() - begin:.0f} s -> {out}", file=sys.stderr)
+    print(
+        f"[images] base {ref} built in {time.monotonic() - begin:.0f} s -> {out}", file=sys.stderr
+    )
     return out
-
 
 
 def _sha256_file(path: Path) -> str:
@@ -279,7 +280,11 @@ def _walk(rootfs: Path) -> dict[str, tuple[Any, ...]]:
     return out
 
 
-BUILD_HOST_FILES: Final = ("/etc/resolv.conf", "/etc/pip.conf", "/etc/ssl/certs/ca-certificates.crt")
+BUILD_HOST_FILES: Final = (
+    "/etc/resolv.conf",
+    "/etc/pip.conf",
+    "/etc/ssl/certs/ca-certificates.crt",
+)
 """Files of the build host bound (read-only) into a stage while a RUN executes, as a container
 engine's build network would provide them: name resolution, pip's index settings and the CA
 bundle that verifies the index (a TLS-intercepting proxy's CA included). None stays in the image."""
@@ -403,9 +408,7 @@ class Builder:
             st.env, st.labels, st.exposed = dict(prev.env), dict(prev.labels), list(prev.exposed)
             return st
         base = base_rootfs(ref)
-        subprocess.run(
-            ["tar", "-xpf", str(base), "-C", str(rootfs), "--numeric-owner"], check=True
-        )
+        subprocess.run(["tar", "-xpf", str(base), "-C", str(rootfs), "--numeric-owner"], check=True)
         st = Stage(name=name, rootfs=rootfs, base_tar=base)
         st.snapshot = _walk(rootfs)
         st.history.append(f"FROM {ref}")
