@@ -123,7 +123,8 @@ def _hierarchies() -> list[Path]:
     out: list[Path] = []
     for line in Path("/proc/self/mounts").read_text().splitlines():
         parts = line.split()
-        if parts[2] == "cgroup" and parts[1].startswith(str(CGROUP_ROOT)):
+        # cgroup2 too: the kubelet also makes its tree in a hybrid host's `unified` mount.
+        if parts[2] in ("cgroup", "cgroup2") and parts[1].startswith(str(CGROUP_ROOT)):
             out.append(Path(parts[1]))
     return out
 
