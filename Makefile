@@ -11,7 +11,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
 .PHONY: help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
-        manifests manifests-check dist bench bench-sharded bench-smoke scale-data tools cluster-up cluster-down scale clean chaos
+        manifests manifests-check dist bench bench-sharded bench-smoke scale-data tools node-prereqs images cluster-up cluster-down scale clean chaos
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -34,7 +34,7 @@ check: $(STAMP) ## the inner loop (under a minute warm): ruff, format check, myp
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -m unit -q -p no:cacheprovider tests $(PYTEST_ARGS)
 
-test: $(STAMP) lint typecheck crds-check tools manifests-check ## every test: lint, CRD freshness, unit, integration, e2e
+test: $(STAMP) lint typecheck crds-check tools images manifests-check ## every test: lint, CRD freshness, unit, integration, e2e
 	$(BIN)/python -m pytest -p no:cacheprovider tests e2e $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## unit tests only
@@ -43,7 +43,7 @@ test-unit: $(STAMP) ## unit tests only
 test-integration: $(STAMP) ## integration tests only (tmpfs, fake-gcs-server, processes)
 	$(BIN)/python -m pytest -m integration tests $(PYTEST_ARGS)
 
-test-e2e: $(STAMP) tools ## end-to-end tests on the local control plane
+test-e2e: $(STAMP) tools images ## end-to-end tests on the local control plane
 	$(BIN)/python -m pytest e2e $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff lint + format check, import contracts
@@ -80,8 +80,14 @@ manifests-check: $(STAMP) tools ## fail when manifests/strata.yaml, the chart's 
 	@bash charts/strata/hack/render-manifests.sh | cmp -s - manifests/strata.yaml \
 	  || { echo "manifests/strata.yaml is stale: run make manifests"; exit 1; }
 
-tools: ## build (or reuse) kube-apiserver, controller-manager, scheduler, kwok, helm, JobSet and PyTorchJob controllers into ~/.cache/strata
+tools: node-prereqs ## build (or reuse) kube-apiserver, controller-manager, scheduler, kwok, helm, JobSet and PyTorchJob controllers, kubelet and pause into ~/.cache/strata
 	bash e2e/build-tools.sh
+
+node-prereqs: ## install what a real node needs from Debian (containerd, runc, CNI plugins, mmdebstrap) when missing and root
+	bash e2e/node/prereqs.sh
+
+images: $(STAMP) node-prereqs ## build the sidecar, operator and trainer images from their Dockerfiles (no engine needed) into ~/.cache/strata/images
+	$(BIN)/python -m e2e.node.images
 
 cluster-up: $(STAMP) tools ## start the local control plane (etcd, apiserver, controller-manager, scheduler, kwok)
 	$(BIN)/python -m e2e.cluster up

@@ -42,6 +42,8 @@ mkdir -p "$BIN" "$TOOLBIN"
 if [[ "${1:-}" == "--print-dir" ]]; then echo "$BIN"; exit 0; fi
 only_workloads=0
 if [[ "${1:-}" == "--workloads-only" ]]; then only_workloads=1; fi
+only_node=0
+if [[ "${1:-}" == "--node-only" ]]; then only_node=1; fi
 
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 start=$(date +%s)
@@ -150,17 +152,74 @@ build_workloads() {
   flock -u 8
 }
 
+# ---------------------------------------------------------------- node parts (real kubelet)
+# kubelet: k8s.io/kubernetes/cmd/kubelet at $K8S_VERSION through its own wrapper module (same
+# staging pins and version ldflags as the control plane; same module and build caches), so it can
+# be built while another run builds the control plane. pause: the static Go program in
+# e2e/node/pause (the pod sandbox's process), packed as an image by e2e/node/images.py.
+# Binaries: $BIN/kubelet, $BIN/pause. Failures are logged and not fatal (real-node tests skip).
+write_k8s_gomod() {
+  {
+    echo "module strata.dev/$1"
+    echo
+    echo "go 1.24"
+    echo
+    for m in "${staging[@]}"; do echo "replace k8s.io/$m => k8s.io/$m $staging_version"; done
+  } > go.mod
+}
+k8s_ldflags() {
+  local build_date ld=""
+  build_date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    ld+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$build_date"
+  done
+  echo "$ld"
+}
+build_node() {
+  exec 7>"$CACHE/.build-node.lock"
+  if ! flock -n 7; then
+    log "another run holds $CACHE/.build-node.lock; waiting for it"
+    flock 7
+  fi
+  if [[ ! -x "$BIN/kubelet" ]]; then
+    log "building kubelet $K8S_VERSION (cold build: about 11 minutes on 2 cores)"
+    local kwrap="$CACHE/src/kubelet-$K8S_VERSION" t0
+    t0=$(date +%s)
+    mkdir -p "$kwrap"
+    if (
+      cd "$kwrap"
+      write_k8s_gomod kubelet-tools
+      go get "k8s.io/kubernetes@$K8S_VERSION"
+      kgomod="$(go env GOMODCACHE)/k8s.io/kubernetes@$K8S_VERSION/go.mod"
+      if grep -q '^godebug' "$kgomod" && ! grep -q '^godebug' go.mod; then
+        grep '^godebug' "$kgomod" >> go.mod
+      fi
+      go get "k8s.io/kubernetes/cmd/kubelet@$K8S_VERSION"
+      go build -trimpath -ldflags "-s -w $(k8s_ldflags)" -o "$gobin/kubelet" k8s.io/kubernetes/cmd/kubelet
+    ); then
+      mv "$gobin/kubelet" "$BIN/kubelet"
+      log "kubelet built in $(( $(date +%s) - t0 )) s"
+    else
+      log "FAILED to build the kubelet; the real-node e2e tests will skip"
+    fi
+  fi
+  if [[ ! -x "$BIN/pause" || "$REPO_DIR/e2e/node/pause/main.go" -nt "$BIN/pause" ]]; then
+    log "building pause from e2e/node/pause"
+    if (cd "$REPO_DIR/e2e/node/pause" && go build -trimpath -ldflags "-s -w" -o "$gobin/pause" .); then
+      mv "$gobin/pause" "$BIN/pause"
+    else
+      log "FAILED to build pause; the real-node e2e tests will skip"
+    fi
+  fi
+  flock -u 7
+}
+
 if (( only_workloads )); then
   build_workloads
   log "workload controllers done ($(( $(date +%s) - start )) s)"
   ls -l "$BIN"/jobset-manager "$BIN"/training-operator 2>/dev/null >&2 || true
   exit 0
-fi
-
-exec 9>"$CACHE/.build-tools.lock"
-if ! flock -n 9; then
-  log "another build-tools.sh run holds $CACHE/.build-tools.lock; waiting for it"
-  flock 9
 fi
 
 minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
@@ -172,6 +231,18 @@ staging=(api apiextensions-apiserver apimachinery apiserver cli-runtime client-g
   kube-aggregator kube-controller-manager kube-proxy kube-scheduler kubectl kubelet metrics
   mount-utils pod-security-admission sample-apiserver sample-cli-plugin sample-controller)
 if (( minor >= 36 )); then staging+=(cri-streaming streaming); fi
+
+if (( only_node )); then
+  build_node
+  log "node parts done ($(( $(date +%s) - start )) s)"
+  exit 0
+fi
+
+exec 9>"$CACHE/.build-tools.lock"
+if ! flock -n 9; then
+  log "another build-tools.sh run holds $CACHE/.build-tools.lock; waiting for it"
+  flock 9
+fi
 
 k8s_bins=(kube-apiserver kube-controller-manager kube-scheduler)
 # A binary found in KUBEBUILDER_ASSETS (setup-envtest: etcd, kube-apiserver, kubectl) is used from
@@ -272,6 +343,7 @@ fi
 ln -sfn "$TOOLBIN/helm-$HELM_VERSION" "$BIN/helm"
 
 build_workloads
+build_node
 
 log "ready in $BIN ($(( $(date +%s) - start )) s)"
 echo "$BIN"

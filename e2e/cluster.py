@@ -63,6 +63,8 @@ NODE_NOT_READY_LABEL = "node-not-ready.stage.kwok.x-k8s.io"
 """Label a fake Node with ``"true"`` and kwok turns its conditions NotReady."""
 
 SERVICE_CIDR = "10.0.0.0/24"
+REAL_NODE_NAME = "strata-node"
+"""Name of the real kubelet's Node (e2e/node), one per cluster."""
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 LOOPBACK_NO_PROXY = "127.0.0.1,localhost,::1"
 
@@ -413,6 +415,13 @@ _CLIENTS = [
     pki_mod.ClientIdentity("kube-controller-manager", "system:kube-controller-manager"),
     pki_mod.ClientIdentity("kube-scheduler", "system:kube-scheduler"),
     pki_mod.ClientIdentity("kwok", "kwok", ("system:masters",)),
+    # The apiserver's client certificate towards kubelets (logs, exec, port-forward).
+    pki_mod.ClientIdentity(
+        "kube-apiserver-kubelet-client", "kube-apiserver-kubelet-client", ("system:masters",)
+    ),
+    # A real kubelet (e2e/node): the node identity; RBAC only, so the harness binds the
+    # system:node ClusterRole to this user.
+    pki_mod.ClientIdentity("kubelet", f"system:node:{REAL_NODE_NAME}", ("system:nodes",)),
 ]
 _STOP_ORDER = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
 
@@ -554,6 +563,11 @@ class LocalCluster:
                     f"--service-cluster-ip-range={SERVICE_CIDR}",
                     "--authorization-mode=RBAC",
                     "--allow-privileged=true",
+                    # Reach kubelets (logs, exec) by their InternalIP, never by resolving the
+                    # node's hostname (a DNS lookup leaving the machine).
+                    "--kubelet-preferred-address-types=InternalIP",
+                    f"--kubelet-client-certificate={p.client_cert('kube-apiserver-kubelet-client')}",
+                    f"--kubelet-client-key={p.client_key('kube-apiserver-kubelet-client')}",
                     "--profiling=false",
                     "--v=1",
                 ],

@@ -4,8 +4,10 @@
 Like ``examples/train.py`` but with ``--step-seconds``: the sidecar looks for due promotions
 every 0.5 s, so a step that lasts longer than that lets every rank's sidecar see every step and
 promote the same ones, which makes "complete on the PVC at step N" deterministic in the test.
-Prints one JSON line per event: ``restored`` (rank, step, tier, seconds), ``saved``, ``done``
-(rank, step, weights_sha256).
+Prints one JSON line per event: ``restored`` (rank, step, tier, seconds, weights_sha256 of the
+restored model), ``saved`` (rank, step, ok, weights_sha256 of what was saved), ``done`` (rank,
+step, weights_sha256). SIGTERM ends it (exit 143) through the checkpointer's ``with`` block: as a
+container's PID 1 it would otherwise ignore SIGTERM and be killed only after the grace period.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -28,11 +31,23 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
+def weights_sha256(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, required=True, help="train until this step (excl.)")
     parser.add_argument("--step-seconds", type=float, default=0.0)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
         dist.init_process_group("gloo")
@@ -49,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             step=result.step,
             tier=result.tiers.get(rank),
             seconds=round(result.seconds, 3),
+            weights_sha256=weights_sha256(model),
         )
         start = 0 if result.step is None else result.step + 1
         for step in range(start, args.steps):
@@ -62,13 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             state["step"] = step
             if ckpt.should_save(step):
-                emit("saved", rank=rank, step=step, ok=ckpt.save(step, state))
+                ok = ckpt.save(step, state)
+                emit("saved", rank=rank, step=step, ok=ok, weights_sha256=weights_sha256(model))
             time.sleep(args.step_seconds)
         ckpt.wait()
-    digest = hashlib.sha256()
-    for tensor in model.state_dict().values():
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
-    emit("done", rank=rank, step=args.steps - 1, weights_sha256=digest.hexdigest())
+    emit("done", rank=rank, step=args.steps - 1, weights_sha256=weights_sha256(model))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

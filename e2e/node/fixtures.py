@@ -1,0 +1,96 @@
+"""pytest fixtures of the real node (import them into a test module).
+
+- ``strata_images`` (session): Strata's images built from their Dockerfiles (`e2e.node.images`),
+  ``{name: BuiltImage}``; cached across sessions.
+- ``real_node`` (module): a `RealNode` joined to the session's ``k8s_cluster``, Strata's images
+  imported into its containerd (`POD_IMAGES`); stopped at the end of the module, and the test errors when
+  anything of it is left on the machine.
+
+A missing prerequisite (root, containerd, runc, CNI plugins, mmdebstrap, the kubelet build) skips
+the requesting test with the reason, or fails it when ``STRATA_REQUIRE_E2E`` is set (CI).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import LocalCluster
+from e2e.fixtures import REQUIRE_E2E_ENV
+from e2e.node.harness import NodeUnavailable, RealNode, missing_prerequisites
+from e2e.node.images import IMAGES, BuiltImage, ImageBuildError, build_image
+
+POD_IMAGES = ("strata.dev/sidecar:e2e", "strata.dev/trainer:e2e")
+"""Images imported into the node (the operator runs as a local process in these tests)."""
+
+
+def unavailable(reason: str) -> None:
+    if os.environ.get(REQUIRE_E2E_ENV):
+        pytest.fail(f"{reason} ({REQUIRE_E2E_ENV} is set, so the real-node tests must run)")
+    pytest.skip(f"{reason} (set {REQUIRE_E2E_ENV}=1 to turn this skip into a failure)")
+
+
+@pytest.fixture(scope="session")
+def strata_images(request: pytest.FixtureRequest) -> dict[str, BuiltImage]:
+    if os.geteuid() != 0:
+        unavailable("building images needs root (chroot, bind mounts)")
+    if shutil.which("mmdebstrap") is None:
+        unavailable("mmdebstrap is missing (apt-get install mmdebstrap)")
+    built: dict[str, BuiltImage] = {}
+    for spec in IMAGES:
+        try:
+            built[spec.name] = build_image(spec)
+        except ImageBuildError as exc:
+            pytest.fail(f"image {spec.name} failed to build: {exc}")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for img in built.values():
+            how = "cached" if img.cached else "built"
+            reporter.write_line(f"image {img.name} {how} in {img.seconds:.1f} s")
+    return built
+
+
+@pytest.fixture(scope="module")
+def real_node(
+    k8s_cluster: LocalCluster,
+    strata_images: dict[str, BuiltImage],
+    request: pytest.FixtureRequest,
+) -> Iterator[RealNode]:
+    missing = missing_prerequisites(k8s_cluster.bin_dir)
+    if missing:
+        unavailable("real node prerequisites missing: " + "; ".join(missing))
+    # A short directory: containerd's socket path must fit in 108 bytes.
+    directory = Path(tempfile.mkdtemp(prefix="strata-node-"))
+    node = RealNode(k8s_cluster, directory)
+    try:
+        seconds = node.start()
+    except NodeUnavailable as exc:
+        unavailable(str(exc))
+    imports = {}
+    try:
+        for name in POD_IMAGES:
+            imports[name] = node.import_image(strata_images[name].archive)
+    except BaseException:
+        node.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(
+            f"real node {node.name} Ready in {seconds:.1f} s ({node.timings}); images imported "
+            f"in {', '.join(f'{n} {s:.1f} s' for n, s in imports.items())}"
+        )
+    node.timings.update({f"import {n}": s for n, s in imports.items()})
+    try:
+        yield node
+    finally:
+        node.stop()
+        left = node.leftovers()
+        if not left:
+            shutil.rmtree(directory, ignore_errors=True)
+        assert not left, f"the real node left behind: {left}"

@@ -1,0 +1,3 @@
+module strata.dev/pause
+
+go 1.22

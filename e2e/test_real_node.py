@@ -1,0 +1,421 @@
+"""Real pods: a real kubelet and containerd (`e2e.node.harness`) joined to the local control plane,
+running Strata's own images built from the project's Dockerfiles (`e2e.node.images`).
+
+Real parts: everything of ``e2e/test_flow.py`` (apiserver, controller-manager, scheduler, the
+operator as a subprocess whose webhook injects the sidecar) plus the kubelet v1.35.4, containerd,
+runc, the CNI bridge, the sidecar and trainer images, and the kernel's tmpfs for the RAM tier (a
+``medium: Memory`` emptyDir). The trainer is ``e2e/small_trainer.py`` in the trainer image with
+torch from the host's site-packages mounted read-only (the image carries no torch). Flows:
+
+* the injected pod: the sidecar is a native sidecar (init container, ``restartPolicy: Always``),
+  non-root, and both containers run;
+* SIGKILL of the trainer's process: the kubelet restarts the container and it restores from RAM
+  the newest step it saved, with the bytes it saved;
+* deletion of the pod: the replacement (a new pod of the same run id) restores from the PVC
+  (a hostPath PV) the newest step, with the bytes saved.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.cluster import REPO_ROOT, LocalCluster
+from e2e.node.fixtures import real_node, strata_images  # noqa: F401 - fixtures
+from e2e.node.harness import NODE_SELECTOR, TOLERATION, RealNode
+from e2e.node.images import (
+    IMAGES,
+    BuiltImage,
+    parse_dockerfile,
+    substitute,
+)
+from e2e.operator_fixtures import OperatorProcess
+from strata_operator.constants import POLICY_LABEL, RUN_ID_ANNOTATION
+
+# Setting up the module's node (and, cold, building the images: `make images` does it before
+# `make test`) takes minutes on a loaded machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.real_node, pytest.mark.timeout(1500)]
+
+SIDECAR_IMAGE = "strata.dev/sidecar:e2e"
+TRAINER_IMAGE = "strata.dev/trainer:e2e"
+STEP_SECONDS = 0.5
+RAM_EVERY = 2
+PVC_EVERY = 4
+
+
+def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 180.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def torch_site_packages() -> Path:
+    import torch
+
+    return Path(torch.__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- images
+
+
+def final_stage_instructions(dockerfile: Path) -> dict[str, Any]:
+    """USER, ENTRYPOINT, LABELs and EXPOSEd ports the final stage of ``dockerfile`` declares."""
+    out: dict[str, Any] = {"labels": {}, "exposed": [], "user": None, "entrypoint": None}
+    for ins in parse_dockerfile(dockerfile.read_text()):
+        if ins.keyword == "FROM":
+            out = {"labels": {}, "exposed": [], "user": None, "entrypoint": None}
+        elif ins.keyword == "USER":
+            out["user"] = ins.args
+        elif ins.keyword == "ENTRYPOINT":
+            out["entrypoint"] = json.loads(ins.args)
+        elif ins.keyword == "EXPOSE":
+            out["exposed"] += [f"{p}/tcp" for p in ins.args.split()]
+        elif ins.keyword == "LABEL":
+            import shlex
+
+            for word in shlex.split(ins.args):
+                k, _, v = word.partition("=")
+                out["labels"][k] = substitute(v, {})
+    return out
+
+
+def archive_config(archive: Path) -> dict[str, Any]:
+    """The image config inside an OCI archive (index -> manifest -> config blob)."""
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+
+        def blob(digest: str) -> Any:
+            f = tar.extractfile(f"blobs/sha256/{digest.split(':', 1)[1]}")
+            assert f is not None
+            return json.load(f)
+
+        index_file = tar.extractfile("index.json")
+        assert index_file is not None
+        index = json.load(index_file)
+        manifest = blob(index["manifests"][0]["digest"])
+        return dict(blob(manifest["config"]["digest"]))
+
+
+@pytest.mark.parametrize("spec", IMAGES, ids=[s.name for s in IMAGES])
+def test_image_config_matches_its_dockerfile(
+    spec: Any,
+    strata_images: dict[str, BuiltImage],  # noqa: F811
+) -> None:
+    img = strata_images[spec.name]
+    declared = final_stage_instructions(REPO_ROOT / spec.dockerfile)
+    config = archive_config(img.archive)["config"]
+    assert declared["user"], f"{spec.dockerfile} sets no USER"
+    assert config["User"] == declared["user"]
+    assert config["Entrypoint"] == declared["entrypoint"]
+    assert config.get("Labels") == declared["labels"]
+    assert sorted(config.get("ExposedPorts") or {}) == sorted(declared["exposed"])
+    assert any(e.startswith("PATH=/opt/strata/bin:") for e in config["Env"])
+
+
+# ----------------------------------------------------------------------------- pods
+
+
+def kubectl_json(cluster: LocalCluster, *args: str) -> Any:
+    return json.loads(cluster.kubectl(*args, "-o", "json"))
+
+
+def setup_pvc(cluster: LocalCluster, ns: str, path: Path) -> None:
+    """A ReadWriteMany hostPath PV + a PVC ``ckpt`` bound to it."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o777)
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"ckpt-{ns}"[:63]},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "manual",
+            "persistentVolumeReclaimPolicy": "Retain",
+            "hostPath": {"path": str(path), "type": "Directory"},
+            "claimRef": {"namespace": ns, "name": "ckpt"},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "ckpt", "namespace": ns},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "manual",
+            "volumeName": pv["metadata"]["name"],  # type: ignore[index]
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]}),
+    )
+    wait_for(
+        "the PVC to be Bound",
+        lambda: (
+            kubectl_json(cluster, "-n", ns, "get", "pvc", "ckpt")["status"].get("phase") == "Bound"
+        ),
+    )
+
+
+def apply_policy(cluster: LocalCluster, ns: str) -> None:
+    policy = {
+        "apiVersion": "strata.dev/v1alpha1",
+        "kind": "CheckpointPolicy",
+        "metadata": {"name": "fast", "namespace": ns},
+        "spec": {
+            "tiers": {
+                "ram": {
+                    "medium": "Memory",
+                    "sizeLimit": "64Mi",
+                    "keep": 2,
+                    "every": {"steps": RAM_EVERY},
+                },
+                "pvc": {"claimName": "ckpt", "every": {"steps": PVC_EVERY}, "keep": 3},
+            },
+            "restore": {"allowFreshStart": True},
+            "sidecar": {"image": SIDECAR_IMAGE, "terminationGracePeriodSeconds": 30},
+        },
+    }
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(policy))
+
+
+def trainer_pod(name: str, run_id: str, steps: int) -> dict[str, Any]:
+    site = str(torch_site_packages())
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": {POLICY_LABEL: "fast"},
+            "annotations": {RUN_ID_ANNOTATION: run_id},
+        },
+        "spec": {
+            "restartPolicy": "OnFailure",
+            "nodeSelector": NODE_SELECTOR,
+            "tolerations": [TOLERATION],
+            "securityContext": {"runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532},
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": TRAINER_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "args": ["--steps", str(steps), "--step-seconds", str(STEP_SECONDS)],
+                    "env": [{"name": "PYTHONPATH", "value": "/host-torch"}],
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "readOnlyRootFilesystem": True,
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
+                    "volumeMounts": [
+                        {"name": "torch", "mountPath": "/host-torch", "readOnly": True},
+                        # torch needs a writable temporary directory at import time.
+                        {"name": "tmp", "mountPath": "/tmp"},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "torch", "hostPath": {"path": site, "type": "Directory"}},
+                {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+            ],
+        },
+    }
+
+
+def pod_events(
+    cluster: LocalCluster, ns: str, pod: str, previous: bool = False
+) -> list[dict[str, Any]]:
+    args = ["-n", ns, "logs", pod, "-c", "trainer"]
+    if previous:
+        args.append("--previous")
+    text = cluster.kubectl(*args, check=False)
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def container_status(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    status = pod.get("status") or {}
+    for s in [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]:
+        if s["name"] == name:
+            return dict(s)
+    return {}
+
+
+def wait_running(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
+    def running() -> dict[str, Any] | None:
+        pod = kubectl_json(cluster, "-n", ns, "get", "pod", name)
+        ok = (pod.get("status") or {}).get("phase") == "Running" and container_status(
+            pod, "trainer"
+        ).get("state", {}).get("running")
+        return pod if ok else None
+
+    try:
+        return wait_for(f"pod {name} Running", running, timeout=240)  # type: ignore[no-any-return]
+    except AssertionError:
+        pod = kubectl_json(cluster, "-n", ns, "get", "pod", name)
+        raise AssertionError(
+            f"pod {name} not Running: {json.dumps(pod.get('status'), indent=1)}"
+        ) from None
+
+
+def saved_events(
+    cluster: LocalCluster, ns: str, pod: str, previous: bool = False
+) -> list[dict[str, Any]]:
+    return [e for e in pod_events(cluster, ns, pod, previous) if e["event"] == "saved" and e["ok"]]
+
+
+@pytest.fixture
+def flow(
+    k8s_cluster: LocalCluster,
+    k8s_namespace: str,
+    real_node: RealNode,  # noqa: F811
+    operator_running: OperatorProcess,
+    tmp_path: Path,
+) -> tuple[LocalCluster, str, RealNode]:
+    setup_pvc(k8s_cluster, k8s_namespace, tmp_path / "pvc")
+    apply_policy(k8s_cluster, k8s_namespace)
+    return k8s_cluster, k8s_namespace, real_node
+
+
+def test_injected_pod_sigkill_restores_from_ram(
+    flow: tuple[LocalCluster, str, RealNode], request: pytest.FixtureRequest
+) -> None:
+    cluster, ns, node = flow
+    run_id = f"{ns}.ram-{uuid.uuid4().hex[:4]}"
+    name = "trainer-ram"
+    begin = time.monotonic()
+    cluster.kubectl("-n", ns, "create", "-f", "-", input=json.dumps(trainer_pod(name, run_id, 400)))
+    pod = wait_running(cluster, ns, name)
+    running_s = time.monotonic() - begin
+    # Injected: a native sidecar, non-root, the RAM tier a Memory emptyDir.
+    inits = {c["name"]: c for c in pod["spec"].get("initContainers") or []}
+    sidecar = inits["strata-sidecar"]
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["image"] == SIDECAR_IMAGE
+    assert sidecar["securityContext"]["runAsNonRoot"] is True
+    assert container_status(pod, "strata-sidecar").get("started") is True
+    assert any((v.get("emptyDir") or {}).get("medium") == "Memory" for v in pod["spec"]["volumes"])
+    # The trainer restores nothing (a fresh start) and saves to RAM.
+    wait_for("three RAM saves", lambda: len(saved_events(cluster, ns, name)) >= 3, timeout=240)
+    first = pod_events(cluster, ns, name)
+    assert first[0]["event"] == "restored" and first[0]["step"] is None
+    # SIGKILL the trainer's process (the container's PID 1) through containerd.
+    cid = container_status(pod, "trainer")["containerID"].split("://", 1)[1]
+    saves_before = saved_events(cluster, ns, name)
+    node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
+    killed = time.monotonic()
+
+    def restarted() -> dict[str, Any] | None:
+        p = kubectl_json(cluster, "-n", ns, "get", "pod", name)
+        st = container_status(p, "trainer")
+        return p if st.get("restartCount", 0) >= 1 and st.get("state", {}).get("running") else None
+
+    pod = wait_for("the kubelet to restart the trainer", restarted, timeout=120)
+    restart_s = time.monotonic() - killed
+    term = container_status(pod, "trainer")["lastState"]["terminated"]
+    assert term["exitCode"] == 137, term
+    saves = saved_events(cluster, ns, name, previous=True)
+    assert len(saves) >= len(saves_before)
+    restored = wait_for(
+        "the restored event",
+        lambda: next((e for e in pod_events(cluster, ns, name) if e["event"] == "restored"), None),
+        timeout=180,
+    )
+    restore_s = time.monotonic() - killed
+    by_step = {e["step"]: e["weights_sha256"] for e in saves}
+    newest = max(by_step)
+    assert restored["tier"] == "ram", restored
+    # The newest saved step (a save still being copied at the kill may not be committed: then
+    # the one before it).
+    assert restored["step"] in (newest, newest - RAM_EVERY), (restored, sorted(by_step))
+    assert restored["weights_sha256"] == by_step[restored["step"]]
+    _report(
+        request,
+        f"pod Running {running_s:.1f} s; kubelet restart after SIGKILL {restart_s:.1f} s; "
+        f"restored step {restored['step']} from {restored['tier']} in {restored['seconds']} s, "
+        f"{restore_s:.1f} s after the kill",
+    )
+
+
+def test_pod_delete_replacement_restores_from_pvc(
+    flow: tuple[LocalCluster, str, RealNode], request: pytest.FixtureRequest
+) -> None:
+    cluster, ns, _ = flow
+    run_id = f"{ns}.pvc-{uuid.uuid4().hex[:4]}"
+    cluster.kubectl(
+        "-n", ns, "create", "-f", "-", input=json.dumps(trainer_pod("first", run_id, 400))
+    )
+    wait_running(cluster, ns, "first")
+    wait_for(
+        "a save past the second PVC step",
+        lambda: any(e["step"] >= 2 * PVC_EVERY + 1 for e in saved_events(cluster, ns, "first")),
+        timeout=240,
+    )
+    begin = time.monotonic()
+    cluster.kubectl("-n", ns, "delete", "pod", "first", "--wait=false")
+    # The trainer exits on SIGTERM; read its log before the pod is gone.
+    saves: list[dict[str, Any]] = []
+
+    def gone() -> bool:
+        nonlocal saves
+        current = saved_events(cluster, ns, "first")
+        if len(current) >= len(saves):
+            saves = current
+        return not cluster.kubectl(
+            "-n", ns, "get", "pod", "first", "--ignore-not-found", check=False
+        ).strip()
+
+    wait_for("the pod to be deleted", gone, timeout=120)
+    delete_s = time.monotonic() - begin
+    by_step = {e["step"]: e["weights_sha256"] for e in saves}
+    newest = max(by_step)
+    cluster.kubectl(
+        "-n", ns, "create", "-f", "-", input=json.dumps(trainer_pod("second", run_id, 400))
+    )
+    wait_running(cluster, ns, "second")
+    restored = wait_for(
+        "the restored event",
+        lambda: next(
+            (e for e in pod_events(cluster, ns, "second") if e["event"] == "restored"), None
+        ),
+        timeout=180,
+    )
+    assert restored["tier"] == "pvc", restored
+    assert restored["step"] == newest, (restored, sorted(by_step))
+    assert restored["weights_sha256"] == by_step[newest]
+    _report(
+        request,
+        f"pod deleted in {delete_s:.1f} s; replacement restored step {restored['step']} from "
+        f"{restored['tier']} in {restored['seconds']} s",
+    )
+
+
+def _report(request: pytest.FixtureRequest, line: str) -> None:
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"[real node] {line}")
+    print(line)
