@@ -219,6 +219,9 @@ class TerminateRequest(JobRequest):
     since_signal_seconds: Annotated[float, Field(ge=0)] = 0.0
     wait_step: NonNegative | None = None
     timeout_seconds: Annotated[float, Field(ge=0)] = 0.0
+    final_save: bool = False
+    """The trainer's loop polls ``should_stop`` and will request its final step soon: the
+    sidecar may hold the first pass for it a few seconds (a notice without it never waits)."""
 
 
 class TerminateReply(Message):

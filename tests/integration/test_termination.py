@@ -36,7 +36,8 @@ from tests.fixtures.tmpfs import SHM
 
 Start = Callable[..., SidecarProcess]
 JOB = "ns.preempted"
-MIB = 256
+MIB = int(os.environ.get("STRATA_TEST_TERMINATION_MIB", "256"))
+"""State size; a larger one for a measurement (``STRATA_TEST_TERMINATION_MIB=1024``)."""
 NUMEL = MIB * 1024 * 1024 // 4
 
 
@@ -58,7 +59,11 @@ def ram_dirs() -> Iterator[Callable[[], Path]]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def config_for(ram: Path, pvc: Path, grace: float = 30.0) -> StrataConfig:
+GRACE = float(os.environ.get("STRATA_TEST_TERMINATION_GRACE", "30"))
+"""The pod's grace period (seconds) in these tests (30: what GKE spot VMs give)."""
+
+
+def config_for(ram: Path, pvc: Path, grace: float = GRACE) -> StrataConfig:
     return StrataConfig.parse(
         {
             "job_id": JOB,
@@ -186,6 +191,11 @@ def run_and_terminate(
         assert api is not None
         status.append(api.status().flush_estimate)
     assert side.terminate(timeout=config.termination_grace_seconds) == 0, side.logs()
+    for e in side.log_events():
+        if e.get("event") == "flush":
+            print(
+                f"  flush pass: step {e['step']} {e['bytes']} bytes {e['seconds']}s fit {e['fit']}"
+            )
     return trainer, code, side, pvc
 
 
@@ -230,7 +240,7 @@ def test_sigterm_with_should_stop_saves_the_current_step_and_makes_it_durable_be
     assert estimate is not None
     assert estimate["tier"] == "pvc" and estimate["state_bytes"] >= MIB * 1024 * 1024
     assert estimate["fits"] is True and estimate["last_ok"] is True
-    assert estimate["last_step"] == step and estimate["budget_seconds"] == 25.0
+    assert estimate["last_step"] == step and estimate["budget_seconds"] == GRACE - 5.0
 
 
 def test_a_users_sigterm_handler_is_chained_and_the_flush_still_happens(

@@ -5,6 +5,7 @@ signals are in tests/integration/test_termination.py)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from strata.reports import FlushEstimate, SidecarReport
@@ -91,3 +92,26 @@ def test_the_estimate_divides_the_newest_step_by_the_measured_throughput() -> No
     report = SidecarReport(policy="p", namespace="ns", pod_name="pod", job_id="ns.j", flush=est)
     again = SidecarReport.model_validate_json(report.model_dump_json())
     assert isinstance(again.flush, FlushEstimate) and again.flush.seconds_needed == 8.0
+
+
+def test_a_trainer_announcing_its_final_save_gets_the_first_pass_held_for_it() -> None:
+    clock, engine = Clock(), SteppingEngine()
+    flush = make(engine, clock)
+    flush.notice(hold=True)
+    time.sleep(0.3)
+    assert engine.deadlines == []  # held: the newest committed step is not copied first
+    engine.ram_step = 11
+    flush.notice()  # the trainer's request for its final step
+    out = flush.wait(11, timeout=30)
+    assert out is not None and out.durable_step == 11 and len(engine.deadlines) == 1
+
+
+def test_the_hold_ends_by_itself_when_the_final_request_never_comes() -> None:
+    clock, engine = Clock(), SteppingEngine()
+    flush = make(engine, clock)
+    flush.notice(hold=True)
+    time.sleep(0.3)
+    assert engine.deadlines == []
+    clock.now += 10.5  # past min(10 s, 0.4 x 25 s)
+    out = flush.wait(None, timeout=30)
+    assert out is not None and out.durable_step == 10

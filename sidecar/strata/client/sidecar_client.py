@@ -258,11 +258,13 @@ class SidecarClient:
         since_signal_seconds: float,
         wait_step: int | None = None,
         timeout: float = 0.0,
+        final_save: bool = False,
     ) -> TerminateReply:
         """``POST /v1/terminate``: tell the sidecar the pod is terminating (its SIGTERM came
         ``since_signal_seconds`` ago) so that it flushes the newest committed RAM step to the
         fastest durable tier now; with ``wait_step``, block up to ``timeout`` seconds until that
-        step is durable (or the flush failed). Raises :class:`SidecarUnavailable`,
+        step is durable (or the flush failed). ``final_save``: a request for the final step
+        will follow (the sidecar may hold its first pass a few seconds for it). Raises :class:`SidecarUnavailable`,
         :class:`TierError` or :class:`ProtocolError`."""
         status, data = self.call(
             "POST",
@@ -273,6 +275,7 @@ class SidecarClient:
                 since_signal_seconds=since_signal_seconds,
                 wait_step=wait_step,
                 timeout_seconds=timeout,
+                final_save=final_save,
             ),
             timeout=timeout + max(self.timeout, 2.0),
         )

@@ -15,7 +15,9 @@ from the main thread unless ``STRATA_TERMINATION_HANDLER=0``) installs a SIGTERM
 
 1. records the signal and wakes a notifier thread, which tells the sidecar at once
    (``POST /v1/terminate``): the sidecar starts flushing the newest committed RAM step to the
-   fastest durable tier, knowing the deadline (signal time + grace period - its margin);
+   fastest durable tier, knowing the deadline (signal time + grace period - its margin); a
+   loop that polls :meth:`should_stop` announces its final save, and the sidecar then holds its
+   first pass a few seconds for it rather than copy a large state twice;
 2. calls the handler that was installed before it (the user's), if any, then the callbacks
    given to :meth:`Termination.add_callback`;
 3. if nobody will stop the training loop -- it never called :meth:`should_stop`, and there was
@@ -189,8 +191,13 @@ class Termination:
         try:
             client = self._client()
             if client is not None:
+                # A loop that polls will ask for its final step: the sidecar may wait for it
+                # rather than copy the previous step first.
                 self.notice = client.terminate(
-                    self._ckpt.job_id, self._ckpt.rank, self.since_signal()
+                    self._ckpt.job_id,
+                    self._ckpt.rank,
+                    self.since_signal(),
+                    final_save=self._polled and not self._finished,
                 )
         except StrataError as exc:
             log.warning("strata: the sidecar did not take the termination notice: %s", exc)

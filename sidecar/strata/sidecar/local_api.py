@@ -274,7 +274,9 @@ class LocalApi:
         self._job(request)
         msg = _parse(TerminateRequest, request)
         self.engine.add_ranks([msg.rank])
-        deadline = self.termination.notice(msg.since_signal_seconds)
+        deadline = self.termination.notice(
+            msg.since_signal_seconds, hold=msg.final_save and msg.wait_step is None
+        )
         if msg.wait_step is not None:
             self.termination.wait(
                 msg.wait_step, min(msg.timeout_seconds, deadline - time.monotonic())

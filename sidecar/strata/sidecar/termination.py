@@ -39,6 +39,10 @@ log = logging.getLogger("strata.sidecar")
 MIN_FLUSH_SECONDS = 1.0
 """A flush gets at least this long even when the deadline has passed (a kubelet still gives a
 native sidecar 2 s after the main containers used the whole grace period)."""
+HOLD_MAX_SECONDS = 10.0
+"""Longest hold of the first pass for a trainer that announced its final save (``hold``)."""
+HOLD_FRACTION = 0.4
+"""... and at most this fraction of the time left to the deadline."""
 METER_WINDOW = 8
 """Promotions whose bytes and seconds make the throughput figure."""
 
@@ -140,6 +144,7 @@ class TerminationFlush:
         self._passes = 0
         self._last: FlushOutcome | None = None
         self._thread: threading.Thread | None = None
+        self._hold_until: float | None = None
 
     @property
     def noticed(self) -> bool:
@@ -157,9 +162,17 @@ class TerminationFlush:
         with self._cond:
             return self._deadline
 
-    def notice(self, since_signal_seconds: float = 0.0, source: str = "trainer") -> float:
+    def notice(
+        self, since_signal_seconds: float = 0.0, source: str = "trainer", hold: bool = False
+    ) -> float:
         """The pod is terminating, its SIGTERM ``since_signal_seconds`` ago: fix the deadline
-        (only ever brought forward) and make sure a flush pass starts now. Returns the deadline."""
+        (only ever brought forward) and make sure a flush pass starts now. Returns the deadline.
+
+        ``hold``: the trainer announced a final save (its loop polls ``should_stop``): before
+        any pass ran, the first pass waits for a notice without ``hold`` (the trainer's request
+        for its final step, or the sidecar's SIGTERM), at most :data:`HOLD_MAX_SECONDS` and
+        :data:`HOLD_FRACTION` of the time left, so that a large state is not copied twice (the
+        newest committed step, then the final one) within one grace period."""
         now = self._clock()
         proposed = now - since_signal_seconds + self.grace_seconds - self.margin_seconds
         with self._cond:
@@ -167,6 +180,11 @@ class TerminationFlush:
             deadline = proposed if self._deadline is None else min(self._deadline, proposed)
             self._deadline = deadline
             self._pending = True
+            if hold and first:
+                self._hold_until = now + min(HOLD_MAX_SECONDS, HOLD_FRACTION * (deadline - now))
+            elif not hold:
+                self._hold_until = None
+                self._cond.notify_all()
             if not self._running:
                 self._running = True
                 self._thread = threading.Thread(
@@ -186,6 +204,9 @@ class TerminationFlush:
     def _run(self) -> None:
         while True:
             with self._cond:
+                while self._hold_until is not None and self._clock() < self._hold_until:
+                    self._cond.wait(min(0.1, self._hold_until - self._clock()))
+                self._hold_until = None
                 if not self._pending:
                     self._running = False
                     self._cond.notify_all()
