@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from strata.config import StrataConfig
 from strata.errors import (
     CodecError,
+    CommitError,
     ConfigError,
     FormatError,
     ManifestError,
@@ -65,6 +66,7 @@ _LAZY = {
 __all__ = [
     "Checkpointer",
     "CodecError",
+    "CommitError",
     "ConfigError",
     "FormatError",
     "GcsBucketNotFound",

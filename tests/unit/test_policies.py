@@ -133,3 +133,22 @@ def test_the_interval_picks_the_step_to_promote() -> None:
     assert EveryStep().candidate(ram) == 110
     assert AnyOf((EveryNSteps(20), EveryNSeconds(5))).candidate(ram) == 110
     assert EveryNSteps(20).candidate([]) is None
+
+
+def test_the_trainer_saves_the_multiples_of_the_step_bound_and_when_the_seconds_elapsed() -> None:
+    """The trainer's rule is the sidecar's policy asked with the step before as the last one
+    seen (strata.intervals.due_now): step 0 and every multiple of ``steps``; a seconds bound
+    from the last save."""
+    from strata.intervals import due_now
+
+    steps = interval_policy(Interval(steps=10))
+    assert [s for s in range(35) if due_now(steps, s, 0.0, None)] == [0, 10, 20, 30]
+    seconds = interval_policy(Interval(seconds=5.0))
+    assert due_now(seconds, 7, now=100.0, last_time=None)
+    assert not due_now(seconds, 7, now=104.0, last_time=100.0)
+    assert due_now(seconds, 7, now=105.0, last_time=100.0)
+    both = interval_policy(Interval(steps=10, seconds=5.0))
+    assert due_now(both, 20, now=101.0, last_time=100.0)
+    assert due_now(both, 21, now=105.0, last_time=100.0)
+    assert not due_now(both, 21, now=101.0, last_time=100.0)
+    assert all(due_now(interval_policy(Interval()), s, 0.0, 0.0) for s in range(5))

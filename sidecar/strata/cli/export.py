@@ -44,7 +44,6 @@ from strata.config import TIER_ORDER
 from strata.errors import StrataError, TierError
 from strata.format import codec
 from strata.format.manifest import Manifest
-from strata.tiers.posix import PosixTier
 from strata.tiers.references import fetch_full
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -108,9 +107,9 @@ def read_rank(
             if m.refs is not None:  # an incremental copy: reassembled with its base's chunks
                 path = scratch / f"rank-{rank}.data"
                 m = fetch_full(tier, job, step, rank, m, path, quarantine=False)
-            elif isinstance(tier, PosixTier):
+            elif (local := tier.data_path(job, step, rank)) is not None:  # checked in place
                 tier.verify_shard(job, step, rank)
-                path = tier.data_path(job, step, rank)
+                path = local
             else:
                 path = scratch / f"rank-{rank}.data"
                 m = tier.fetch_shard(job, step, rank, path, verify=True)

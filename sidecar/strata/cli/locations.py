@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strata.config import TierName
-from strata.errors import StrataError, TierError
-from strata.format import layout
+from strata.errors import StrataError
 from strata.tiers.base import Tier
 from strata.tiers.posix import PosixTier
 from strata.tiers.ram import RamTier
@@ -48,46 +47,7 @@ class Location:
 
     def jobs(self) -> list[str]:
         """Job ids with a ``steps/`` directory (or prefix) in this location, sorted."""
-        tier = self.tier
-        if isinstance(tier, PosixTier):
-            try:
-                with os.scandir(tier.root) as it:
-                    return sorted(
-                        e.name for e in it if e.is_dir() and (Path(e.path) / "steps").is_dir()
-                    )
-            except OSError as exc:
-                raise TierError(f"cannot list {tier.root}: {exc.strerror}") from exc
-        return _gcs_jobs(tier)
-
-
-def _gcs_jobs(tier: Tier) -> list[str]:
-    from strata.tiers.gcs import GcsTier
-
-    assert isinstance(tier, GcsTier)
-    root = tier.object_name("")
-    jobs: set[str] = set()
-    with tier._errors("listing", root or None):
-        it = tier.client.list_blobs(
-            tier.bucket_name, prefix=root, delimiter="/", timeout=tier.request_timeout
-        )
-        for _ in it:  # prefixes fill in while pages are read
-            pass
-        for p in it.prefixes:
-            job = p[len(root) :].rstrip("/")
-            if job:
-                jobs.add(job)
-    # A job is a prefix holding <job>/steps/ (cheap check: one object under it).
-    out = []
-    for job in sorted(jobs):
-        blobs = tier.client.list_blobs(
-            tier.bucket_name,
-            prefix=tier.object_name(layout.steps_prefix(job)) + "/",
-            max_results=1,
-            timeout=tier.request_timeout,
-        )
-        if any(True for _ in blobs):
-            out.append(job)
-    return out
+        return self.tier.list_jobs()
 
 
 def open_location(spec: str) -> Location:

@@ -15,13 +15,18 @@ from typing import TYPE_CHECKING, Any
 from strata.errors import RestoreError
 
 if TYPE_CHECKING:
-    from strata.client.checkpointer import Checkpointer, LocalStager, RestoreResult, Stager
+    from strata.client.checkpointer import Checkpointer, RestoreResult
+    from strata.client.stager import LocalStager, Stager
 
 __all__ = ["Checkpointer", "LocalStager", "RestoreError", "RestoreResult", "Stager"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Checkpointer", "LocalStager", "RestoreResult", "Stager"):
+    if name in ("LocalStager", "Stager"):
+        from strata.client import stager
+
+        return getattr(stager, name)
+    if name in ("Checkpointer", "RestoreResult"):
         from strata.client import checkpointer
 
         return getattr(checkpointer, name)

@@ -44,12 +44,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
@@ -60,6 +60,7 @@ from strata.client.late_sidecar import SidecarWatch
 from strata.client.loader import load_failure, load_shard, settle_load
 from strata.client.saver import Saver
 from strata.client.sharded import ShardedLoad, ShardReader, reshard_candidate
+from strata.client.stager import LocalStager, Stager
 from strata.client.termination import Termination
 from strata.config import StrataConfig
 from strata.constants import ENV_RESTORE_RESHARD
@@ -70,10 +71,8 @@ from strata.protocol import ClientEvent, RestoreEvent
 from strata.restore import (
     RankInventory,
     StageResult,
-    collect_inventory,
     plan_restore,
     skipped_partial_steps,
-    stage_into_ram,
 )
 from strata.tiers.base import Tier
 from strata.tiers.configured import durable_tiers, in_restore_order
@@ -87,83 +86,6 @@ from strata.tiers.slots import (
 )
 
 log = logging.getLogger("strata.client")
-
-
-class Stager(Protocol):
-    """Inventory and staging for one rank (local tiers, or the sidecar over its socket)."""
-
-    def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory:
-        """What this rank can see in every tier (:func:`strata.restore.collect_inventory`)."""
-
-    def stage(
-        self,
-        job_id: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        sources: Sequence[str] | None = None,
-    ) -> StageResult:
-        """Put the shard into the RAM tier (committed there) and return provenance; the result's
-        ``path`` is the RAM data file. ``sources``: the tiers to try, nearest first (the plan's
-        :attr:`strata.restore.RestorePlan.sources` for this rank; None: every tier).
-        Raises :class:`strata.errors.StageError`."""
-
-    def report(self, event: ClientEvent) -> None:
-        """Hand a save/restore event to whoever keeps metrics (best effort, never raises)."""
-
-
-class LocalStager:
-    """:class:`Stager` over tier objects in this process (no sidecar).
-
-    A shard served by a tier other than RAM is copied into a RAM slot (from ``slot_provider``)
-    and committed in the RAM tier, so the next restore is a RAM hit. A RAM hit is NOT verified
-    here: the client verifies it while loading it (``defers_in_place_verify``; one pass over
-    the bytes, :mod:`strata.client.loader`).
-    """
-
-    defers_in_place_verify = True
-
-    def __init__(
-        self,
-        tiers: Sequence[Tier] | Callable[[], Sequence[Tier]],
-        ram: RamTier,
-        slot_provider: SlotProvider,
-        verify: bool = True,
-    ) -> None:
-        self._tiers = tiers
-        self.ram = ram
-        self.slot_provider = slot_provider
-        self.verify = verify
-
-    def tiers(self) -> Sequence[Tier]:
-        return self._tiers() if callable(self._tiers) else self._tiers
-
-    def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory:
-        return collect_inventory(self.tiers(), job_id, rank, world_size)
-
-    def stage(
-        self,
-        job_id: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        sources: Sequence[str] | None = None,
-    ) -> StageResult:
-        return stage_into_ram(
-            self.tiers(),
-            self.ram,
-            self.slot_provider,
-            job_id,
-            step,
-            rank,
-            world_size=world_size,
-            verify=self.verify,
-            sources=sources,
-            verify_in_place=False,
-        )
-
-    def report(self, event: ClientEvent) -> None:
-        """No sidecar to tell: events are only logged by the client itself."""
 
 
 @dataclass
@@ -738,7 +660,7 @@ class Checkpointer:
         (:meth:`_finish_sharded`, called by restore once every rank loaded). Raises :class:`ShardCorrupt` (the live state is then partly
         overwritten) and :class:`RestoreError` (some rank could not load its sharded tensors)."""
         load = ShardedLoad(self.rank, self.world_size, self.world_size)
-        deferred = tier == self.ram.name and getattr(self.stager, "defers_in_place_verify", False)
+        deferred = tier == self.ram.name and self.stager.defers_in_place_verify
         with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
             m = lease.manifest
             assert m is not None

@@ -1,6 +1,6 @@
 """Restore that survives the sidecar disappearing (issue 11, failure 4).
 
-:class:`SidecarFallbackStager` is the :class:`strata.client.checkpointer.Stager` a trainer uses
+:class:`SidecarFallbackStager` is the :class:`strata.client.stager.Stager` a trainer uses
 when a sidecar answered at start-up. Each inventory or staging call goes to the sidecar; when
 the sidecar stops answering (its container crashed, was OOM-killed or is restarting:
 :class:`strata.errors.ProtocolError`), it waits up to ``wait_seconds`` for a sidecar to answer
@@ -18,47 +18,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
+from strata.client.stager import SidecarStager, Stager
 from strata.errors import ProtocolError
-from strata.protocol import RestoreEvent, SaveEvent
+from strata.protocol import ClientEvent
 from strata.restore import RankInventory, StageResult
 
 log = logging.getLogger("strata.client")
 
 T = TypeVar("T")
-
-
-class _Stager(Protocol):
-    def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory: ...
-
-    def stage(
-        self,
-        job_id: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        sources: Sequence[str] | None = None,
-    ) -> StageResult: ...
-
-
-class _Sidecar(Protocol):
-    def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory: ...
-
-    def stage(
-        self,
-        job_id: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        sources: Sequence[str] | None = None,
-        *,
-        verify_in_place: bool = True,
-    ) -> StageResult: ...
-
-    def ready(self) -> bool: ...
-
-    def report(self, event: SaveEvent | RestoreEvent) -> None: ...
 
 
 class SidecarFallbackStager:
@@ -67,8 +36,8 @@ class SidecarFallbackStager:
 
     def __init__(
         self,
-        sidecar: _Sidecar,
-        local: _Stager,
+        sidecar: SidecarStager,
+        local: Stager,
         wait_seconds: float = 10.0,
         poll_seconds: float = 0.2,
     ) -> None:
@@ -141,12 +110,12 @@ class SidecarFallbackStager:
             locally,
         )
         self.defers_in_place_verify = res.deferred_verify or (
-            used_local and bool(getattr(self.local, "defers_in_place_verify", False))
+            used_local and self.local.defers_in_place_verify
         )
         if note is not None:
             res.skipped.insert(0, note)
         return res
 
-    def report(self, event: SaveEvent | RestoreEvent) -> None:
+    def report(self, event: ClientEvent) -> None:
         """Best effort to the sidecar (never raises)."""
         self.sidecar.report(event)

@@ -457,17 +457,7 @@ def load_shard(
                 with contextlib.suppress(BufferError):  # a tensor still views it: the GC unmaps
                     private.close()
     if verify:
-        bad = crc.first_bad_chunk(crcs, manifest.chunk_crc32c or [])
-        if bad is not None or whole != manifest.crc32c:
-            at = (
-                f" in chunk {bad} (from byte {bad * manifest.chunk_size})"
-                if bad is not None
-                else ""
-            )
-            raise ShardCorrupt(
-                f"{path}: CRC32C mismatch{at} against its manifest; the copy is corrupt, "
-                "quarantine it and restore from another tier"
-            )
+        crc.check_shard_crcs(path, manifest, crcs, whole)
     return LoadOutcome(tree, crcs, whole, one.fast_bytes, one.cuda)
 
 

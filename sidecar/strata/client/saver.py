@@ -73,6 +73,7 @@ from strata.errors import ShardUnavailable, StateChanged, TierError
 from strata.format import codec, layout
 from strata.format.encode_cache import EncodeCache
 from strata.format.manifest import DEFAULT_CHUNK_SIZE, Manifest, StorageEntry
+from strata.intervals import due_now, interval_policy
 from strata.protocol import ClientEvent, SaveEvent
 from strata.tiers.ram import RamTier
 from strata.tiers.slots import (
@@ -167,14 +168,7 @@ class Saver:
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due for a RAM checkpoint (``ram.every``: steps and/or seconds)."""
-        every = self.every
-        if every.steps is None and every.seconds is None:
-            return True
-        if every.steps is not None and step % every.steps == 0:
-            return True
-        return every.seconds is not None and (
-            self._last_save_time is None or time.monotonic() - self._last_save_time >= every.seconds
-        )
+        return due_now(interval_policy(self.every), step, time.monotonic(), self._last_save_time)
 
     def save(
         self,

@@ -4,7 +4,7 @@
 
 - :class:`strata.tiers.ram.SlotProvider` (``acquire_slot``): the sidecar allocates and pre-faults
   the slot files, so their tmpfs pages are charged to the sidecar's container;
-- the ``Stager`` protocol of :mod:`strata.client` (``inventory``, ``stage``): the sidecar lists
+- the :class:`strata.client.stager.SidecarStager` protocol (``inventory``, ``stage``, ``ready``): the sidecar lists
   the tiers and stages a shard into RAM, verifying and falling back RAM -> PVC -> GCS (with
   ``verify_in_place=False`` a RAM hit is left to the caller's one-pass load to verify:
   ``StageResult.deferred_verify``);
@@ -108,6 +108,9 @@ class SidecarClient:
         self.socket_path = str(socket_path)
         self.timeout = timeout
         self.stage_timeout = stage_timeout
+        self.defers_in_place_verify = False
+        """Whether the last staging left a RAM hit unverified (the request's
+        ``verify_in_place=False``, honoured by the sidecar): the caller verifies it."""
 
     def __repr__(self) -> str:
         return f"SidecarClient({self.socket_path!r})"
@@ -230,7 +233,9 @@ class SidecarClient:
             err = parse_reply(ErrorReply, data, self.socket_path)
             raise StageError(err.error, list(err.skipped), list(err.quarantined))
         body = self._ok(status, data, "staging")
-        return parse_reply(StageReply, body, self.socket_path).result()
+        result = parse_reply(StageReply, body, self.socket_path).result()
+        self.defers_in_place_verify = result.deferred_verify
+        return result
 
     # -- reports ------------------------------------------------------------------------------------
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import google_crc32c
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from strata.errors import CommitError, ManifestError
 from strata.format.manifest import FORMAT_VERSION, Manifest
-from strata.format.sealed import seal, unseal
+from strata.format.sealed import SealedRecord
 
 
 class ShardRef(BaseModel):
@@ -112,12 +112,13 @@ def manifest_crc(manifest_raw: bytes) -> int:
     return int(google_crc32c.value(manifest_raw))
 
 
-class StepCommit(BaseModel):
+class StepCommit(SealedRecord):
     """Step ``step`` of job ``job_id`` is committed in this tier by incarnation ``incarnation``
     at world size ``world_size``, with exactly the shards in ``shards`` (ranks 0..world_size-1,
     in rank order)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    record_kind: ClassVar[str] = "commit record"
     format: Literal["strata-step-commit"] = "strata-step-commit"
     format_version: int = FORMAT_VERSION
     job_id: str
@@ -192,23 +193,6 @@ class StepCommit(BaseModel):
             and self.world_size == other.world_size
             and self.shards == other.shards
         )
-
-    def to_bytes(self) -> bytes:
-        """The sealed record as stored."""
-        return seal(self.model_dump_json().encode())
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, where: str) -> StepCommit:
-        """Verify the seal, then parse. :class:`CommitError` (naming ``where``) on a torn,
-        corrupt or malformed record."""
-        try:
-            body = unseal(raw, where)
-        except ValueError as exc:
-            raise CommitError(str(exc)) from None
-        try:
-            return cls.model_validate_json(body)
-        except ValueError as exc:
-            raise CommitError(f"malformed commit record {where}: {exc}") from None
 
 
 def build_commit(

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import google_crc32c
 
-from strata.format.manifest import DEFAULT_CHUNK_SIZE
+from strata.errors import ShardCorrupt
+from strata.format.manifest import DEFAULT_CHUNK_SIZE, Manifest
 
 _POLY = 0x82F63B78
 """CRC32C polynomial, reflected (bit-reversed 0x1EDC6F41)."""
@@ -212,3 +213,22 @@ def first_bad_chunk(actual: Sequence[int], expected: Sequence[int]) -> int | Non
     if len(actual) != len(expected):
         return min(len(actual), len(expected))
     return None
+
+
+def check_shard_crcs(
+    where: str | os.PathLike[str], manifest: Manifest, crcs: Sequence[int], whole: int
+) -> None:
+    """Compare a shard's computed CRC32Cs (per chunk and whole, as :func:`chunk_crcs` returns
+    them) with the ones its ``manifest`` records.
+
+    Raises :class:`strata.errors.ShardCorrupt` naming ``where`` and the first bad chunk (its
+    index and first byte): the copy is corrupt; the caller quarantines it and restores from
+    another tier.
+    """
+    bad = first_bad_chunk(crcs, manifest.chunk_crc32c or [])
+    if bad is not None or whole != manifest.crc32c:
+        at = f" in chunk {bad} (from byte {bad * manifest.chunk_size})" if bad is not None else ""
+        raise ShardCorrupt(
+            f"{where}: CRC32C mismatch{at} against its manifest; the copy is corrupt, "
+            "quarantine it and restore from another tier"
+        )

@@ -18,12 +18,13 @@ import ctypes
 import mmap
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from strata.format.codec import EncodedState
+    from strata.format.encode_cache import Layout
+    from strata.format.manifest import StorageEntry
 
 Buffer = bytearray | memoryview | mmap.mmap
 _COPY_PIECE = 8 * 1024 * 1024
@@ -33,6 +34,24 @@ _MIN_TASK_BYTES = 1024 * 1024
 
 Piece = tuple[int, int, int, int]
 """``(destination offset, storage index or -1 for a zero fill, offset in the storage, bytes)``."""
+
+
+class EncodedState(Protocol):
+    """What the copy needs of an encoded state (:class:`strata.format.codec.EncodedState`):
+    its storages' entries and byte sources, the data object's size, and its reusable layout
+    (None: none), where copy plans are cached."""
+
+    @property
+    def sources(self) -> list[torch.Tensor]: ...
+
+    @property
+    def storages(self) -> list[StorageEntry]: ...
+
+    @property
+    def data_nbytes(self) -> int: ...
+
+    @property
+    def layout(self) -> Layout | None: ...
 
 
 def as_uint8(buf: Buffer | torch.Tensor) -> torch.Tensor:

@@ -20,14 +20,13 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from strata.errors import CommitError
 from strata.format.layout import INCARNATION_ID_RE
 from strata.format.manifest import FORMAT_VERSION
-from strata.format.sealed import seal, unseal
+from strata.format.sealed import SealedRecord
 
 
 def new_incarnation_id(now: datetime | None = None) -> str:
@@ -36,10 +35,11 @@ def new_incarnation_id(now: datetime | None = None) -> str:
     return f"{t:%Y%m%dT%H%M%S%fZ}-{secrets.token_hex(4)}"
 
 
-class Incarnation(BaseModel):
+class Incarnation(SealedRecord):
     """The record of incarnation ``id`` of job ``job_id``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    record_kind: ClassVar[str] = "incarnation record"
     format: Literal["strata-incarnation"] = "strata-incarnation"
     format_version: int = FORMAT_VERSION
     job_id: str
@@ -58,21 +58,6 @@ class Incarnation(BaseModel):
         if v is not None and not INCARNATION_ID_RE.match(v):
             raise ValueError(f"incarnation id {v!r} is not 1-64 characters of [0-9A-Za-z._-]")
         return v
-
-    def to_bytes(self) -> bytes:
-        return seal(self.model_dump_json().encode())
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, where: str) -> Incarnation:
-        """Verify the seal, then parse; :class:`CommitError` naming ``where`` otherwise."""
-        try:
-            body = unseal(raw, where)
-        except ValueError as exc:
-            raise CommitError(str(exc)) from None
-        try:
-            return cls.model_validate_json(body)
-        except ValueError as exc:
-            raise CommitError(f"malformed incarnation record {where}: {exc}") from None
 
 
 class Lineage:

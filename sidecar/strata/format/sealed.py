@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import ClassVar, Self
 
 import google_crc32c
+from pydantic import BaseModel
 
-from strata.errors import FormatError
+from strata.errors import CommitError, FormatError
 
 _PREFIX_RE = re.compile(rb'^\{"crc32c":"([0-9a-f]{8})","body":')
 _PREFIX_LEN = len(b'{"crc32c":"00000000","body":')
@@ -65,3 +67,27 @@ def unseal(raw: bytes, where: str) -> bytes:
             "the record is corrupt"
         )
     return body
+
+
+class SealedRecord(BaseModel):
+    """A pydantic record stored sealed: :meth:`to_bytes` / :meth:`from_bytes` (the commit record
+    and the incarnation records). ``record_kind`` names the record in error messages."""
+
+    record_kind: ClassVar[str] = "record"
+
+    def to_bytes(self) -> bytes:
+        """The sealed record as stored."""
+        return seal(self.model_dump_json().encode())
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> Self:
+        """Verify the seal, then parse. Raises :class:`strata.errors.CommitError` naming
+        ``where`` on a torn, corrupt or malformed record."""
+        try:
+            body = unseal(raw, where)
+        except ValueError as exc:
+            raise CommitError(str(exc)) from None
+        try:
+            return cls.model_validate_json(body)
+        except ValueError as exc:
+            raise CommitError(f"malformed {cls.record_kind} {where}: {exc}") from None

@@ -23,8 +23,10 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from strata.errors import StrataError
 
-class ErasureUnavailable(RuntimeError):
+
+class ErasureUnavailable(StrataError, RuntimeError):
     """zfec is not installed; the message says how to install it."""
 
 

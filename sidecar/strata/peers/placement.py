@@ -36,8 +36,10 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from strata.errors import StrataError
 
-class PlacementError(ValueError):
+
+class PlacementError(StrataError, ValueError):
     """The peers cannot satisfy the placement rules; the message says what to change."""
 
 

@@ -25,32 +25,10 @@ from pathlib import Path
 from strata.format import layout
 from strata.peers.config import check_peer_id
 from strata.peers.wire import ParityRecord
+from strata.tiers.durability import fsync_file, write_atomic
 
 PARITY_DATA = "parity.data"
 PARITY_RECORD = "parity.json"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, payload: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
 
 
 class PeerStore:
@@ -93,13 +71,9 @@ class PeerStore:
         data, man = self.replica_paths(owner, step, rank)
         with contextlib.suppress(FileNotFoundError):
             man.unlink()  # a previous copy of the same shard is un-committed first
-        fd = os.open(tmp_data, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(tmp_data)
         os.rename(tmp_data, data)
-        _write_atomic(man, raw_manifest)
+        write_atomic(man, raw_manifest)
 
     def read_replica_manifest(self, owner: str, step: int, rank: int) -> bytes:
         """Raw manifest bytes; ``FileNotFoundError`` when the replica is not committed."""
@@ -158,13 +132,9 @@ class PeerStore:
         d = self.parity_dir(step)
         with contextlib.suppress(FileNotFoundError):
             (d / PARITY_RECORD).unlink()
-        fd = os.open(tmp_data, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(tmp_data)
         os.rename(tmp_data, d / PARITY_DATA)
-        _write_atomic(d / PARITY_RECORD, record.model_dump_json().encode())
+        write_atomic(d / PARITY_RECORD, record.model_dump_json().encode())
 
     def parity_steps(self) -> list[int]:
         """Steps with a committed parity record, ascending."""

@@ -26,12 +26,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from strata.errors import StrataError
 from strata.peers.config import PeerEndpoint, PeerTlsConfig
 
 log = logging.getLogger(__name__)
 
 
-class PeerError(RuntimeError):
+class PeerError(StrataError, RuntimeError):
     """A peer request failed; the message names the peer and the path."""
 
     def __init__(self, message: str, status: int | None = None) -> None:

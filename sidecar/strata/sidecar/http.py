@@ -18,13 +18,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from strata.errors import StrataError
+
 log = logging.getLogger("strata.sidecar.http")
 
 JsonHandler = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
 """(request body or query as a dict) -> (HTTP status, response object)."""
 
 
-class ApiError(Exception):
+class ApiError(StrataError):
     """Raised by a handler: becomes ``{"error": message, "kind": kind}`` with ``status``."""
 
     def __init__(

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from strata.config import ReportConfig
+from strata.errors import StrataError
 from strata.reports import REPORT_PATH, SidecarReport
 
 log = logging.getLogger("strata.sidecar.reporter")
@@ -149,7 +150,10 @@ class Reporter:
             raise ReportError(f"POST {self.url} failed: {exc}", retryable=True) from None
 
 
-class ReportError(RuntimeError):
+class ReportError(StrataError, RuntimeError):
+    """A report to the operator failed; ``retryable``: whether sending it again may succeed
+    (the receiver was unreachable, or answered a transient HTTP status)."""
+
     def __init__(self, message: str, retryable: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable

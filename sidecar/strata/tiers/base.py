@@ -163,6 +163,18 @@ class Tier(abc.ABC):
         Says nothing about whether the shard is committed (use :meth:`get_manifest`)."""
         return None
 
+    def local_root(self) -> Path | None:
+        """The local directory this tier lives in, when the medium is a file system this
+        process mounts (RAM, PVC: what ``statvfs`` measures); None for an object store (the
+        default)."""
+        return None
+
+    def list_jobs(self) -> list[str]:
+        """Job ids that have steps in this tier (a ``<job>/steps/`` directory or prefix),
+        sorted. :class:`TierError` when the tier cannot be listed. Default: none (a tier that
+        holds one job's copies only, such as the peer tier)."""
+        return []
+
     def read_in_place(
         self, job_id: str, step: int, rank: int, *, world_size: int | None, verify: bool
     ) -> InPlaceShard | None:

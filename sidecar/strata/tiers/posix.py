@@ -35,7 +35,6 @@ import errno
 import logging
 import os
 import time
-import uuid
 from pathlib import Path
 
 from strata import faults
@@ -45,21 +44,13 @@ from strata.format import crc, layout
 from strata.format.manifest import Manifest
 from strata.tiers.base import StepListing, Tier, parse_manifest
 from strata.tiers.checked_copy import copy_checked
+from strata.tiers.durability import fsync_dir, temp_name, write_all
 from strata.tiers.posix_records import PosixRecords
 
 log = logging.getLogger(__name__)
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _COPY_STEP = 64 * 1024 * 1024
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a create/rename/unlink in it is durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def copy_range(src_fd: int, dst_fd: int, nbytes: int, dst_offset: int = 0) -> None:
@@ -140,6 +131,18 @@ class PosixTier(PosixRecords, Tier):
 
     def step_dir(self, job_id: str, step: int) -> Path:
         return self.root / layout.step_key(job_id, step)
+
+    def local_root(self) -> Path:
+        return self.root
+
+    def list_jobs(self) -> list[str]:
+        try:
+            with os.scandir(self.root) as it:
+                return sorted(
+                    e.name for e in it if e.is_dir() and (Path(e.path) / "steps").is_dir()
+                )
+        except OSError as exc:
+            raise TierError(f"cannot list {self.root}: {exc.strerror}") from exc
 
     def data_path(self, job_id: str, step: int, rank: int) -> Path:
         """The data file (a POSIX tier can always be read as files)."""
@@ -266,17 +269,7 @@ class PosixTier(PosixRecords, Tier):
             raise ShardCorrupt(f"{path}: data object missing under a committed manifest") from None
         except ValueError as exc:
             raise ShardCorrupt(f"{exc} (truncated); quarantine it") from None
-        bad = crc.first_bad_chunk(crcs, manifest.chunk_crc32c or [])
-        if bad is not None or whole != manifest.crc32c:
-            at = (
-                f" in chunk {bad} (from byte {bad * manifest.chunk_size})"
-                if bad is not None
-                else ""
-            )
-            raise ShardCorrupt(
-                f"{path}: CRC32C mismatch{at} against its manifest; the copy is corrupt, "
-                "quarantine it and restore from another tier"
-            )
+        crc.check_shard_crcs(path, manifest, crcs, whole)
 
     def fetch_shard(
         self, job_id: str, step: int, rank: int, dst_path: Path, verify: bool = True
@@ -400,7 +393,7 @@ class PosixTier(PosixRecords, Tier):
                     d.rmdir()
                 raise
             faults.point("posix.data_written")
-            tmp = man.with_name(f"{man.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            tmp = temp_name(man)
             self._write_file(tmp, manifest.to_json(), written)
             os.rename(tmp, man)
             written.remove(tmp)
@@ -498,9 +491,7 @@ class PosixTier(PosixRecords, Tier):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         written.append(path)
         try:
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, payload)
             if self.fsync:
                 os.fsync(fd)
         finally:

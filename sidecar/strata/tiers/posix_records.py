@@ -12,20 +12,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import uuid
 from pathlib import Path
 
 from strata.errors import TierError, TierFull
+from strata.tiers.durability import fsync_dir, temp_name, write_all
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class PosixRecords:
@@ -46,14 +38,12 @@ class PosixRecords:
 
     def create_record(self, key: str, payload: bytes) -> bool:
         path = self.root / key
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp = temp_name(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                view = memoryview(payload)
-                while view:
-                    view = view[os.write(fd, view) :]
+                write_all(fd, payload)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -63,7 +53,7 @@ class PosixRecords:
             except FileExistsError:
                 return False
             if self.fsync:
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
             return True
         except OSError as exc:
             if exc.errno in _FULL:
@@ -85,7 +75,7 @@ class PosixRecords:
             raise TierError(f"cannot delete {path} ({exc.strerror})") from exc
         if self.fsync:
             with contextlib.suppress(OSError):
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
 
     def list_records(self, prefix: str) -> list[str]:
         d = self.root / prefix

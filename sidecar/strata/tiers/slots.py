@@ -41,7 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from strata.errors import ShardUnavailable, SlotsBusy, TierError, TierFull
+from strata.errors import ShardUnavailable, SlotsBusy, StrataError, TierError, TierFull
 from strata.format import layout
 from strata.format.manifest import Manifest
 from strata.tiers.posix import remove_quietly
@@ -56,7 +56,7 @@ SLOT_ALIGN = 1024 * 1024
 """Slot sizes are rounded up to whole MiB (fewer regrowths for states that vary a little)."""
 
 
-class SlotAllocationNeeded(Exception):
+class SlotAllocationNeeded(StrataError):
     """A reuse-only provider found no free slot large enough: a slot must be allocated."""
 
 

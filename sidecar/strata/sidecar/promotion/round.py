@@ -540,12 +540,12 @@ class PromotionEngine:
             return
         if retention.to_delete(older):
             return  # retention still has something to delete
-        keep = int(getattr(retention, "n", len(older)))
+        keep = retention.keep if retention.keep is not None else len(older)
         m = next(iter(manifests.values()))
         shard = max(mm.data_nbytes for mm in manifests.values())
         step_bytes = shard * m.world_size
         have = ""
-        root = getattr(tier, "root", None)
+        root = tier.local_root()
         if root is not None:
             try:
                 st = os.statvfs(root)

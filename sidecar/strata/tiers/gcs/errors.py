@@ -9,7 +9,7 @@ never quarantine). The underscore-free internal signals at the end never leave t
 
 from __future__ import annotations
 
-from strata.errors import ShardCorrupt, ShardUnavailable, TierError
+from strata.errors import ShardCorrupt, ShardUnavailable, StrataError, TierError
 
 
 class GcsError(TierError):
@@ -44,13 +44,13 @@ class TransferCorrupt(ShardUnavailable, GcsError):
     """
 
 
-class AlreadyExists(Exception):
+class AlreadyExists(StrataError):
     """Internal: a create-only call got 412 (the object exists)."""
 
 
-class Aborted(Exception):
+class Aborted(StrataError):
     """Internal: another range of the same download failed; stop this one."""
 
 
-class TransitMismatch(Exception):
+class TransitMismatch(StrataError):
     """Internal: a downloaded range did not match the manifest's chunk CRC32Cs."""

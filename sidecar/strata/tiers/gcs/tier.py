@@ -106,6 +106,33 @@ class GcsTier(GcsUploader, GcsDownloader, GcsRecords, Tier):
 
     # -- listing -------------------------------------------------------------------------------
 
+    def list_jobs(self) -> list[str]:
+        """Job ids with at least one object under ``<prefix>/<job>/steps/``, sorted."""
+        root = self.object_name("")
+        jobs: set[str] = set()
+        with self._errors("listing", root or None):
+            it = self.client.list_blobs(
+                self.bucket_name, prefix=root, delimiter="/", timeout=self.request_timeout
+            )
+            for _ in it:  # prefixes fill in while pages are read
+                pass
+            for p in it.prefixes:
+                job = p[len(root) :].rstrip("/")
+                if job:
+                    jobs.add(job)
+        # A job is a prefix holding <job>/steps/ (cheap check: one object under it).
+        out = []
+        for job in sorted(jobs):
+            blobs = self.client.list_blobs(
+                self.bucket_name,
+                prefix=self.object_name(layout.steps_prefix(job)) + "/",
+                max_results=1,
+                timeout=self.request_timeout,
+            )
+            if any(True for _ in blobs):
+                out.append(job)
+        return out
+
     def _scan(
         self, job_id: str, step: int | None = None, stem: str = ""
     ) -> dict[int, dict[str, storage.Blob]]:

@@ -25,29 +25,12 @@ from typing import Any
 import torch
 
 from strata.errors import CodecError
-from strata.format import codec
+from strata.format.codec.common import TENSOR_TAG, CheckedEntry, is_stateful, key_str
+from strata.format.codec.tree import TreeReader
 from strata.format.manifest import Manifest
 
 MAX_LISTED = 8
 """Differences named in the error (the count says how many more)."""
-
-
-class _Keys(codec._Decoder):
-    """A decoder for the tree alone (dict keys, entry checks); never touches tensor data."""
-
-    def __init__(
-        self, manifest: Manifest, where: str, checked: dict[int, codec.CheckedEntry] | None
-    ) -> None:
-        # No data buffer: only the tree and the manifest's entries are consulted.
-        self.m = manifest
-        self.where = where
-        self.buf = torch.empty(0, dtype=torch.uint8)
-        self._owned = {}
-        self._new = {}
-        self._np = codec._np()
-        self.sink = None
-        self.flush = None
-        self.checked = {} if checked is None else checked
 
 
 def check_fits(
@@ -55,14 +38,14 @@ def check_fits(
     manifest: Manifest,
     where: str,
     *,
-    checked: dict[int, codec.CheckedEntry] | None = None,
+    checked: dict[int, CheckedEntry] | None = None,
 ) -> None:
     """Raise :class:`CodecError` (naming ``where``, each differing path and what differs) when
     the checkpoint described by ``manifest`` cannot be loaded into ``state`` in place; change
     nothing. See the module docstring for the rules. ``checked``: the loading decoder's cache of
-    checked tensor entries (:attr:`strata.format.codec._Decoder.checked`), filled here so the
+    checked tensor entries (:attr:`strata.format.codec.tree.TreeReader.checked`), filled here so the
     load does not check them again."""
-    dec = _Keys(manifest, where, checked)
+    dec = TreeReader(manifest, where, checked)
     diffs: list[str] = []
     _fit(dec, manifest.tree, state, "state", diffs, strict=False)
     if diffs:
@@ -79,7 +62,7 @@ def check_fits(
 def _kind(node: Any) -> str:
     if isinstance(node, dict) and node:
         tag = next(iter(node))
-        if tag == codec.TENSOR_TAG:
+        if tag == TENSOR_TAG:
             return "a tensor"
         if isinstance(tag, str) and tag.startswith("__"):
             return str(tag).strip("_")
@@ -89,19 +72,19 @@ def _kind(node: Any) -> str:
     return type(node).__name__
 
 
-def _fit(dec: _Keys, node: Any, live: Any, path: str, diffs: list[str], strict: bool) -> None:
-    if codec._is_stateful(live) and not isinstance(live, (dict, list, torch.Tensor)):
+def _fit(dec: TreeReader, node: Any, live: Any, path: str, diffs: list[str], strict: bool) -> None:
+    if is_stateful(live) and not isinstance(live, (dict, list, torch.Tensor)):
         _fit(dec, node, live.state_dict(), path, diffs, strict=True)
         return
     tag = next(iter(node), None) if isinstance(node, dict) else None
     if tag == "__sharded__":
         return  # a sharded tensor: its resharding restore checks its global layout
     if isinstance(live, torch.Tensor):
-        if tag != codec.TENSOR_TAG:
+        if tag != TENSOR_TAG:
             diffs.append(f"{path}: live tensor, the checkpoint holds {_kind(node)}")
             return
         try:
-            te, _se, dt = dec._check_entry(int(node[codec.TENSOR_TAG]))
+            te, _se, dt = dec.check_entry(int(node[TENSOR_TAG]))
         except (CodecError, TypeError, ValueError) as exc:
             diffs.append(f"{path}: {exc}")
             return
@@ -126,7 +109,7 @@ def _fit(dec: _Keys, node: Any, live: Any, path: str, diffs: list[str], strict: 
                 diffs.append(f"{path}: keys {extra} are in the checkpoint but not live")
         for k, v in saved.items():
             if k in live:
-                _fit(dec, v, live[k], f"{path}{codec._key_str(k)}", diffs, strict)
+                _fit(dec, v, live[k], f"{path}{key_str(k)}", diffs, strict)
         return
     if isinstance(live, list):
         if not isinstance(node, list):
@@ -134,7 +117,7 @@ def _fit(dec: _Keys, node: Any, live: Any, path: str, diffs: list[str], strict: 
                 diffs.append(f"{path}: live list, the checkpoint holds {_kind(node)}")
             return
         structured = strict or any(
-            isinstance(x, (torch.Tensor, dict, list)) or codec._is_stateful(x) for x in live
+            isinstance(x, (torch.Tensor, dict, list)) or is_stateful(x) for x in live
         )
         if not structured:
             return
@@ -148,7 +131,7 @@ def _fit(dec: _Keys, node: Any, live: Any, path: str, diffs: list[str], strict: 
             _fit(dec, v, lv, f"{path}[{i}]", diffs, strict)
 
 
-def _saved_items(dec: _Keys, node: Any, path: str) -> dict[Any, Any] | None:
+def _saved_items(dec: TreeReader, node: Any, path: str) -> dict[Any, Any] | None:
     """The saved mapping at ``node`` (key -> child node), or None when it is not a mapping."""
     if not isinstance(node, dict):
         return None
