@@ -41,6 +41,7 @@ class Stage:
 def parse(path: Path) -> list[Stage]:
     """Stages of a Dockerfile: (instruction, arguments) with continuations joined."""
     stages: list[Stage] = []
+    global_args: dict[str, str] = {}  # ARGs before the first FROM: their defaults feed FROM lines
     logical = ""
     for raw in path.read_text().splitlines():
         line = raw.strip()
@@ -55,7 +56,13 @@ def parse(path: Path) -> list[Stage]:
         instruction, _, args = logical.partition(" ")
         logical = ""
         instruction = instruction.upper()
+        if instruction == "ARG" and not stages:
+            key, _, default = args.strip().partition("=")
+            global_args[key] = default
+            continue
         if instruction == "FROM":
+            for key, default in global_args.items():
+                args = args.replace("${" + key + "}", default).replace("$" + key, default)
             parts = args.split()
             name = parts[2] if len(parts) >= 3 and parts[1].upper() == "AS" else None
             stages.append(Stage(base=parts[0], name=name))
