@@ -37,6 +37,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def crash_config(root: Path) -> dict[str, Any]:
-    return {
+READY_SECONDS = 120.0
+"""How long a (re)started sidecar may take to become ready before the cycle counts a slow start
+and starts it again (on a loaded machine an import can take a minute)."""
+MAX_SLOW_STARTS_IN_A_ROW = 5
+
+
+def crash_config(root: Path, gcs_endpoint: str | None = None) -> dict[str, Any]:
+    config: dict[str, Any] = {
         "job_id": JOB,
         "ram": {"path": str(root / "ram"), "every": {"steps": 1}, "keep": 1},
         "pvc": {"path": str(root / "pvc"), "every": {"steps": 2}, "keep": 2},
@@ -63,6 +70,43 @@ def crash_config(root: Path) -> dict[str, Any]:
         "writer_id": "chaos-pod",
         "termination_grace_seconds": 5,
     }
+    if gcs_endpoint is not None:
+        config["gcs"] = {
+            "bucket": CRASH_BUCKET,
+            "prefix": "crash",
+            "endpoint": gcs_endpoint,
+            "every": {"steps": 3},
+            "keep": 2,
+        }
+    return config
+
+
+CRASH_BUCKET = "chaos-crash"
+
+
+def _gcs_client(endpoint: str) -> Any:
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    return storage.Client(
+        project="test",
+        credentials=AnonymousCredentials(),
+        client_options={"api_endpoint": endpoint},
+    )
+
+
+class SlowStart(RuntimeError):
+    """The sidecar did not become ready in :data:`READY_SECONDS` (counted, not fatal)."""
+
+
+def write_counts(path: Path | None, counts: dict[str, Any]) -> None:
+    """Replace ``path`` with ``counts`` as JSON atomically (a campaign killed mid-way leaves
+    the counts of its last finished cycle)."""
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(counts, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 class Sidecar:
@@ -76,7 +120,12 @@ class Sidecar:
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
-    def start(self, fault: str = "") -> None:
+    def start(self, fault: str = "", ready_seconds: float = READY_SECONDS) -> None:
+        """Start the process and wait until ``/healthz`` answers.
+
+        Raises :class:`SlowStart` (the process killed) when it is not ready in
+        ``ready_seconds``; returns early when it died at its fault point during start-up.
+        """
         env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
         env.update(self.config.to_env())
         if fault:
@@ -90,7 +139,7 @@ class Sidecar:
                 stderr=subprocess.STDOUT,
             )
         url = f"http://127.0.0.1:{self.config.metrics_port}/healthz"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_seconds
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return  # died at its fault point during start-up: a crash point too
@@ -100,7 +149,8 @@ class Sidecar:
                         return
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError("the sidecar did not become ready in 120 s")
+        self.kill()
+        raise SlowStart(f"the sidecar did not become ready in {ready_seconds:.0f} s")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -123,25 +173,63 @@ def _read_log(path: Path) -> list[str]:
 
 
 def crash_campaign(
-    root: Path, crash_points: int, seed: int, deadline: float | None = None
+    root: Path,
+    crash_points: int,
+    seed: int,
+    deadline: float | None = None,
+    gcs_endpoint: str | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    ready_seconds: float = READY_SECONDS,
 ) -> dict[str, Any]:
     """Run cycles until ``crash_points`` processes were killed (see the module docstring), or
-    until ``deadline`` (``time.monotonic()``) passes."""
+    until ``deadline`` (``time.monotonic()``) passes.
+
+    ``gcs_endpoint``: a fake-gcs-server the sidecar also promotes to (every third step), so
+    kills land inside GCS uploads too. ``progress`` receives the counts after every cycle. A
+    sidecar that is not ready in ``ready_seconds`` is counted (``sidecar_slow_starts``) and
+    started again; only :data:`MAX_SLOW_STARTS_IN_A_ROW` in a row end the campaign (its counts
+    say so in ``aborted``)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "strata.client", "tests.chaos.workload"])
     from tests.chaos import workload
 
     rnd = random.Random(seed)
-    config = crash_config(root)
+    config = crash_config(root, gcs_endpoint)
+    if gcs_endpoint is not None:
+        client = _gcs_client(gcs_endpoint)
+        if client.lookup_bucket(CRASH_BUCKET) is None:
+            client.create_bucket(CRASH_BUCKET)
+        client.close()
     cfg_json = json.dumps(config)
     log = root / "trainer.log"
     sidecar = Sidecar(config, root)
-    sidecar.start()
     counts: Counter[str] = Counter()
     last_saved: int | None = None
     cycles = 0
+    aborted = ""
+
+    def start(fault: str = "") -> None:
+        nonlocal aborted
+        for _ in range(MAX_SLOW_STARTS_IN_A_ROW):
+            try:
+                sidecar.start(fault, ready_seconds)
+                return
+            except SlowStart as exc:
+                counts["sidecar_slow_starts"] += 1
+                print(f"cycle {cycles}: {exc}; starting it again", flush=True)
+        aborted = f"the sidecar was not ready {MAX_SLOW_STARTS_IN_A_ROW} times in a row"
+
+    def snapshot() -> dict[str, Any]:
+        out: dict[str, Any] = dict(counts)
+        out["cycles"] = cycles
+        out["last_saved_step"] = last_saved
+        if aborted:
+            out["aborted"] = aborted
+        return out
+
+    start()
     try:
-        while counts["crash_points"] < crash_points:
+        while counts["crash_points"] < crash_points and not aborted:
             if deadline is not None and time.monotonic() > deadline:
                 counts["stopped_at_deadline"] = 1
                 break
@@ -155,16 +243,18 @@ def crash_campaign(
                 # A fault point in the sidecar: it needs a restart to arm the rule.
                 sidecar.kill()
                 s_point = rnd.choice(SIDECAR_POINTS)
-                sidecar.start(f"{s_point}#{rnd.randint(1, 3)}")
+                start(f"{s_point}#{rnd.randint(1, 3)}")
                 s_timed = None
             elif victim in ("sidecar", "both"):
                 s_timed = rnd.random() * 0.3
             else:
                 s_timed = None
-            if not sidecar.alive():
+            if not sidecar.alive() and not aborted:
                 counts["crash_points"] += 1
                 counts["sidecar_fault_kills"] += 1
-                sidecar.start()
+                start()
+            if aborted:
+                break
             before = len(_read_log(log))
             p = ctx.Process(
                 target=workload.trainer,
@@ -192,7 +282,7 @@ def crash_campaign(
                 counts["crash_points"] += 1
                 counts["sidecar_fault_kills"] += 1
             if not sidecar.alive():
-                sidecar.start()
+                start()
             for line in _read_log(log)[before:]:
                 kind, _, rest = line.partition(" ")
                 if kind == "restore":
@@ -207,11 +297,15 @@ def crash_campaign(
                         counts["restored_steps"] = max(counts["restored_steps"], step)
                 elif kind == "saved":
                     last_saved = int(rest)
+            if progress is not None:
+                progress(snapshot())
     finally:
         sidecar.kill()
-    out: dict[str, Any] = dict(counts)
-    out["cycles"] = cycles
-    out["last_saved_step"] = last_saved
+    out = snapshot()
+    if gcs_endpoint is not None:
+        client = _gcs_client(gcs_endpoint)
+        out["gcs_objects"] = sum(1 for _ in client.list_blobs(CRASH_BUCKET))
+        client.close()
     return out
 
 
@@ -226,14 +320,24 @@ def _flip(raw: bytes, rnd: random.Random, limit: int | None = None) -> bytes:
     return bytes(b)
 
 
+def _damage(raw: bytes, how: str, rnd: random.Random, limit: int | None) -> bytes:
+    """``raw`` with one bit flipped (within the first ``limit`` bytes) or cut short."""
+    if how == "truncate":
+        return raw[: rnd.randrange(len(raw))] if raw else raw
+    return _flip(raw, rnd, limit)
+
+
 def corruption_campaign(
     root: Path,
     corruptions: int,
     seed: int,
     gcs_endpoint: str | None,
     deadline: float | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Flip bits in committed copies on every tier and check every restore (module docstring)."""
+    """Damage committed copies on every tier (bit flips, truncations, deletions, RAM wipes) and
+    check every restore (module docstring). ``progress`` receives the counts after every
+    round."""
     import torch  # noqa: F401  (the workload needs it)
     from google.cloud import storage
 
@@ -289,31 +393,45 @@ def corruption_campaign(
                     sizes[step] = lease.manifest.data_nbytes
                     for t in tiers.values():
                         t.put_shard(job, step, 0, lease.path, lease.manifest)
-            # Damage 1..3 copies.
+            # Damage 1..3 copies: a bit flip, a truncation or a deletion of a data object or a
+            # manifest, or a wipe of the node's whole RAM tier (a reboot).
             damaged: set[tuple[str, int]] = set()
             all_tiers = ["ram", *tiers]
             for _ in range(rnd.randint(1, 3)):
                 tier = rnd.choice(all_tiers)
+                if tier == "ram" and rnd.random() < 0.1:
+                    shutil.rmtree(c.ram.root / job, ignore_errors=True)
+                    damaged |= {("ram", 1), ("ram", 2)}
+                    counts["corruptions"] += 1
+                    counts["corrupt_ram_wipe"] += 1
+                    continue
                 step = rnd.choice((1, 2))
                 kind = rnd.choice(("data", "manifest"))
+                how = rnd.choices(("flip", "truncate", "delete"), weights=(2, 1, 1))[0]
                 key = (layout.data_key if kind == "data" else layout.manifest_key)(job, step, 0)
                 limit = sizes[step] if kind == "data" else None
                 if tier in ("ram", "pvc"):
                     path = (c.ram.root if tier == "ram" else pvc.root) / key
                     if not path.exists():
                         continue
-                    path.write_bytes(_flip(path.read_bytes(), rnd, limit))
+                    if how == "delete":
+                        path.unlink()
+                    else:
+                        path.write_bytes(_damage(path.read_bytes(), how, rnd, limit))
                 else:
                     assert client is not None and gcs is not None
                     blob = client.bucket(bucket).get_blob(gcs.object_name(key))
                     if blob is None:
                         continue
-                    new = client.bucket(bucket).blob(blob.name)
-                    new.metadata = dict(blob.metadata or {})
-                    new.upload_from_string(_flip(blob.download_as_bytes(), rnd, limit))
+                    if how == "delete":
+                        blob.delete()
+                    else:
+                        new = client.bucket(bucket).blob(blob.name)
+                        new.metadata = dict(blob.metadata or {})
+                        new.upload_from_string(_damage(blob.download_as_bytes(), how, rnd, limit))
                 damaged.add((tier, step))
                 counts["corruptions"] += 1
-                counts[f"corrupt_{tier}_{kind}"] += 1
+                counts[f"corrupt_{tier}_{kind}_{how}"] += 1
             intact = {s for s in (1, 2) if any((t, s) not in damaged for t in all_tiers)}
             expect = max(intact) if intact else None
             state = workload.empty_state()
@@ -341,6 +459,8 @@ def corruption_campaign(
         shutil.rmtree(root / "pvc" / job, ignore_errors=True)
         if gcs is not None:
             gcs.close()
+        if progress is not None:
+            progress(dict(counts) | {"rounds": i})
     if client is not None:
         client.close()
     out: dict[str, Any] = dict(counts)
@@ -360,10 +480,26 @@ def main() -> None:
         default=None,
         help="stop each part after half of this and report the counts reached",
     )
+    ap.add_argument(
+        "--ready-seconds",
+        type=float,
+        default=READY_SECONDS,
+        help="how long a restarted sidecar may take to be ready before a slow start is counted",
+    )
     args = ap.parse_args()
     from strata.testing.emulator import FakeGcsServer
 
     t0 = time.monotonic()
+    partial: dict[str, Any] = {"seed": args.seed, "complete": False}
+
+    def progress(part: str) -> Callable[[dict[str, Any]], None]:
+        def write(counts: dict[str, Any]) -> None:
+            partial[part] = counts
+            partial["seconds"] = round(time.monotonic() - t0)
+            write_counts(args.out, partial)
+
+        return write
+
     with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="strata-chaos-") as d:
         root = Path(d)
         (root / "crash").mkdir()
@@ -376,16 +512,21 @@ def main() -> None:
                 args.seed,
                 server.endpoint,
                 None if half is None else time.monotonic() + half,
+                progress("corruption"),
             )
-        print(json.dumps({"corruption": corrupt}), flush=True)
-        crash = crash_campaign(
-            root / "crash",
-            args.crash_points,
-            args.seed,
-            None if half is None else time.monotonic() + half,
-        )
+            print(json.dumps({"corruption": corrupt}), flush=True)
+            crash = crash_campaign(
+                root / "crash",
+                args.crash_points,
+                args.seed,
+                None if half is None else time.monotonic() + half,
+                gcs_endpoint=server.endpoint,
+                progress=progress("crash"),
+                ready_seconds=args.ready_seconds,
+            )
     summary = {
         "seed": args.seed,
+        "complete": not crash.get("aborted"),
         "seconds": round(time.monotonic() - t0),
         "crash": crash,
         "corruption": corrupt,
