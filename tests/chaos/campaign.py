@@ -7,12 +7,14 @@ Two parts, each bounded by its counts and reproducible from its seed:
   saves; the cycle kills the trainer at a chosen fault point (``STRATA_FAULT``: after the copy,
   after the link, after the commit, before the checksum rewrite), the sidecar at one of its own
   (a promotion round, a PVC copy with its data written but no manifest, its checksum pass,
-  staging) or by SIGKILL at a random moment, or both together. A killed sidecar is restarted
-  (start-up pruning runs while the trainer may still live). Every restore must return exactly
+  staging) or by SIGKILL at a random moment, or both together. A killed sidecar is restarted,
+  half the time at once while the trainer goes on saving (start-up pruning runs beside a live
+  trainer). The sidecar promotes to the PVC and, with ``gcs_endpoint``, to fake-gcs-server. Every restore must return exactly
   the state saved as that step, and never a step older than the newest one ``save()`` reported
   committed.
 - :func:`corruption_campaign`: two steps committed in RAM, on the PVC and on GCS; one to three
-  random bit flips in data objects or manifests of random tiers; a restore must return exactly
+  random bit flips, truncations or deletions of data objects or manifests of random tiers, or a
+  wipe of the whole RAM tier (a node reboot); a restore must return exactly
   the newest step of which some copy is intact (an older one only when every copy of the newer
   one is damaged), or report that nothing is restorable when no copy is intact -- never other
   bytes, never an exception while a copy could serve.
@@ -268,6 +270,11 @@ def crash_campaign(
                     sidecar.kill()
                     counts["crash_points"] += 1
                     counts["sidecar_timed_kills"] += 1
+                    if rnd.random() < 0.5:
+                        # A sidecar-only restart: its start-up (pruning, incarnation records)
+                        # runs while this trainer still saves.
+                        start()
+                        counts["sidecar_restarts_under_live_trainer"] += 1
             p.join(300)
             if p.is_alive():
                 p.kill()
