@@ -10,7 +10,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 
 PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
-.PHONY: help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
+.PHONY: maps help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
         manifests manifests-check dist bench bench-sharded bench-smoke scale-data tools node-prereqs images cluster-up cluster-down scale clean chaos
 
 help: ## list the targets
@@ -57,6 +57,9 @@ fmt: $(STAMP) ## apply ruff formatting and fixes
 
 typecheck: $(STAMP) ## mypy strict on the packages and the tests
 	$(BIN)/mypy
+
+maps: $(STAMP) ## regenerate docs/layout.md and the README's Layout block from the docstrings
+	$(BIN)/python -m tests.maps
 
 crds: $(STAMP) ## regenerate crds/ from the pydantic models
 	$(BIN)/python -m strata_operator.crdgen --out crds/
