@@ -9,7 +9,10 @@
 - ``k8s_fake_node`` (session): the name of one Ready kwok node shared by the session
   (pin pods to it with ``nodeSelector: {kubernetes.io/hostname: <name>}``).
 - ``k8s_namespace`` (function): a fresh namespace whose ``default`` ServiceAccount exists; deleted
-  after the test (without waiting for it to terminate).
+  after the test (without waiting for it to terminate). When the test failed, the namespace's
+  objects, Events and container logs are written first to ``e2e/results/failures/<namespace>/``
+  (:func:`save_evidence`; ``STRATA_E2E_EVIDENCE`` overrides the directory), and the operator
+  fixtures add the operator's log there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import re
 import time
 import urllib.error
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +37,71 @@ from e2e.cluster import (
 
 REQUIRE_E2E_ENV = "STRATA_REQUIRE_E2E"
 """When set (to anything non-empty), missing control-plane binaries fail the e2e tests."""
+
+EVIDENCE_ENV = "STRATA_E2E_EVIDENCE"
+EVIDENCE_DIR = Path(__file__).resolve().parent / "results" / "failures"
+"""Where a failed test's namespace is written (``e2e/results/failures/<namespace>/``)."""
+
+_EVIDENCE_KINDS = "pods,services,configmaps,jobs,persistentvolumeclaims,checkpointpolicies"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Remember each phase's outcome on the item (``item.strata_failed``), for teardowns."""
+    report = yield
+    if report.failed:
+        item.strata_failed = True  # type: ignore[attr-defined]
+    return report
+
+
+def failed(request: pytest.FixtureRequest) -> bool:
+    """Whether the requesting test's setup or call failed (read it in a fixture's teardown)."""
+    return bool(getattr(request.node, "strata_failed", False))
+
+
+def evidence_dir(namespace: str) -> Path:
+    """The directory that keeps the evidence of a failed test in ``namespace`` (created)."""
+    root = Path(os.environ.get(EVIDENCE_ENV) or EVIDENCE_DIR)
+    d = root / namespace
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save_evidence(cluster: LocalCluster, namespace: str) -> Path:
+    """Write ``namespace``'s objects (YAML), its Events and every container's log (current and
+    previous) under :func:`evidence_dir`; returns the directory. Never raises: what cannot be
+    read is written as the error that stopped it."""
+    d = evidence_dir(namespace)
+
+    def dump(name: str, *args: str) -> str:
+        try:
+            out = cluster.kubectl(*args, check=True)
+        except (ClusterError, OSError) as err:
+            out = f"could not read: {err}\n"
+        (d / name).write_text(out)
+        return out
+
+    dump("objects.yaml", "get", _EVIDENCE_KINDS, "-n", namespace, "-o", "yaml")
+    dump("events.txt", "get", "events", "-n", namespace, "--sort-by=.lastTimestamp")
+    pods = dump("pods.txt", "get", "pods", "-n", namespace, "-o", "name")
+    for pod in pods.split():
+        if not pod.startswith("pod/"):
+            continue
+        name = pod.removeprefix("pod/")
+        dump(f"{name}.log", "logs", "-n", namespace, pod, "--all-containers", "--prefix")
+        dump(
+            f"{name}.previous.log",
+            "logs",
+            "-n",
+            namespace,
+            pod,
+            "--all-containers",
+            "--prefix",
+            "--previous",
+        )
+    return d
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +154,7 @@ def k8s_fake_node(k8s_cluster: LocalCluster) -> str:
     return name
 
 
-def _namespace_name(test_name: str) -> str:
+def namespace_name(test_name: str) -> str:
     base = re.sub(r"[^a-z0-9-]+", "-", test_name.lower()).strip("-")[:40].strip("-")
     return f"{base or 't'}-{uuid.uuid4().hex[:6]}"
 
@@ -93,7 +162,7 @@ def _namespace_name(test_name: str) -> str:
 @pytest.fixture
 def k8s_namespace(k8s_cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace (named after the test) ready for pods; deleted afterwards."""
-    name = _namespace_name(request.node.name)
+    name = namespace_name(request.node.name)
     k8s_cluster.request(
         "/api/v1/namespaces",
         "POST",
@@ -109,9 +178,13 @@ def k8s_namespace(k8s_cluster: LocalCluster, request: pytest.FixtureRequest) -> 
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+    request.node.strata_namespace = name
     try:
         yield name
     finally:
+        if failed(request):
+            where = save_evidence(k8s_cluster, name)
+            print(f"\nevidence of the failed test kept in {where}")
         try:
             k8s_cluster.request(f"/api/v1/namespaces/{name}", "DELETE")
         except urllib.error.HTTPError as err:

@@ -32,6 +32,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import REPO_ROOT, LocalCluster, free_port, loopback_env
+from e2e.fixtures import evidence_dir, failed, namespace_name
 from e2e.workloads import JOBSET_CRD, PYTORCHJOB_CRD, apply_crd, crd_file
 
 WEBHOOK_CONFIG = "strata.dev"
@@ -266,11 +267,24 @@ def _fresh(op: OperatorProcess) -> None:
 
 
 @pytest.fixture
-def operator_running(strata_operator: OperatorProcess) -> Iterator[OperatorProcess]:
-    """The operator, (re)started with default flags when a test stopped or changed it."""
+def operator_running(
+    strata_operator: OperatorProcess, request: pytest.FixtureRequest
+) -> Iterator[OperatorProcess]:
+    """The operator, (re)started with default flags when a test stopped or changed it. When the
+    test failed, its log goes with the namespace's evidence (``e2e.fixtures.save_evidence``)."""
     _fresh(strata_operator)
     yield strata_operator
+    if failed(request):
+        keep_operator_log(strata_operator, request)
     _fresh(strata_operator)
+
+
+def keep_operator_log(op: OperatorProcess, request: pytest.FixtureRequest) -> None:
+    """Copy the operator's log next to the failed test's namespace evidence (or under the
+    test's own name when it used no namespace)."""
+    where = str(getattr(request.node, "strata_namespace", "") or namespace_name(request.node.name))
+    if op.log.exists():
+        shutil.copyfile(op.log, evidence_dir(where) / "operator.log")
 
 
 def _go_module_dir(module: str) -> Path:
