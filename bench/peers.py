@@ -35,7 +35,7 @@ from tests.fixtures.sidecar import write_ram_shard
 from strata.peers.config import PeerEndpoint, PeersConfig
 from strata.peers.erasure import decode, encode_parity
 from strata.peers.store import PeerStore
-from strata.peers.transport import free_port
+from strata.testing.ports import free_port
 from strata.tiers.ram import RamTier
 
 JOB = "bench.peers"

@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from typing import Any
 import yaml
 
 from e2e import pki as pki_mod
+from strata.testing.ports import free_port as free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO_ROOT / "e2e" / "build-tools.sh"
@@ -212,13 +212,6 @@ def etcd_supports_watch_progress(etcd: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

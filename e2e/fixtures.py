@@ -8,6 +8,7 @@
   ``.complete_pod(ns, name)``, ``.request(path)``.
 - ``k8s_fake_node`` (session): the name of one Ready kwok node shared by the session
   (pin pods to it with ``nodeSelector: {kubernetes.io/hostname: <name>}``).
+- ``api`` (function): a ``kubernetes.client.ApiClient`` of the cluster's admin, closed afterwards.
 - ``k8s_namespace`` (function): a fresh namespace whose ``default`` ServiceAccount exists; deleted
   after the test (without waiting for it to terminate). When the test failed, the namespace's
   objects, Events and container logs are written first to ``e2e/results/failures/<namespace>/``
@@ -26,6 +27,7 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+from kubernetes.client import ApiClient
 
 from e2e.cluster import (
     LOOPBACK_NO_PROXY,
@@ -152,6 +154,16 @@ def k8s_fake_node(k8s_cluster: LocalCluster) -> str:
     name = "kwok-node-0"
     k8s_cluster.create_fake_node(name)
     return name
+
+
+@pytest.fixture
+def api(k8s_cluster: LocalCluster) -> Iterator[ApiClient]:
+    """An admin ``ApiClient`` of the local cluster (the one fixture every e2e module uses)."""
+    api_client = k8s_cluster.api_client()
+    try:
+        yield api_client
+    finally:
+        api_client.close()
 
 
 def namespace_name(test_name: str) -> str:

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,12 +35,7 @@ from typing import Any
 from kubernetes import client
 
 from e2e.cluster import REPO_ROOT, loopback_env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from strata.testing.ports import free_port as free_port
 
 
 def field_value(pod: Mapping[str, Any], path: str) -> str:

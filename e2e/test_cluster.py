@@ -72,12 +72,6 @@ def job_pods(core: client.CoreV1Api, namespace: str, job: str) -> list[client.V1
     return pods
 
 
-@pytest.fixture
-def api(k8s_cluster: LocalCluster) -> Any:
-    with k8s_cluster.api_client() as api_client:
-        yield api_client
-
-
 def test_version_reports_the_built_release(k8s_cluster: LocalCluster, api: Any) -> None:
     info = client.VersionApi(api).get_code()
     assert info.git_version != "v0.0.0", "version ldflags were not applied"

@@ -52,15 +52,6 @@ def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 120.0) ->
 
 
 @pytest.fixture
-def api(k8s_cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    api_client = k8s_cluster.api_client()
-    try:
-        yield api_client
-    finally:
-        api_client.close()
-
-
-@pytest.fixture
 def kubelet(api: client.ApiClient, tmp_path: Path) -> Iterator[LocalKubelet]:
     shm = Path("/dev/shm") / f"strata-e2e-flow-{uuid.uuid4().hex[:8]}"
     k = LocalKubelet(api, tmp_path, shm)

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -40,14 +39,9 @@ pytestmark = pytest.mark.e2e
 GROUP, VERSION, PLURAL = "strata.dev", "v1alpha1", "checkpointpolicies"
 
 
-@pytest.fixture
-def api(k8s_cluster: LocalCluster) -> Iterator[client.ApiClient]:
+@pytest.fixture(autouse=True)
+def crds(k8s_cluster: LocalCluster) -> None:
     apply_crds(k8s_cluster)
-    api_client = k8s_cluster.api_client()
-    try:
-        yield api_client
-    finally:
-        api_client.close()
 
 
 @pytest.fixture

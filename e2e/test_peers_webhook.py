@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,22 +13,12 @@ from cryptography import x509
 from kubernetes import client
 from tests.fixtures.pods import PodBuilder, jobset_obj, policy_obj
 
-from e2e.cluster import LocalCluster
 from e2e.operator_fixtures import OperatorProcess
 from strata.config import StrataConfig
 from strata_operator.admission.peers import PEER_TLS_MOUNT, job_uri, peer_secret_name
 from strata_operator.constants import PEERS_TLS_VOLUME, SIDECAR_NAME
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def api(k8s_cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    api_client = k8s_cluster.api_client()
-    try:
-        yield api_client
-    finally:
-        api_client.close()
 
 
 def _pod(api_client: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:

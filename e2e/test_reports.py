@@ -27,15 +27,6 @@ AUDIENCE = "strata.dev"
 
 
 @pytest.fixture
-def api(k8s_cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    api_client = k8s_cluster.api_client()
-    try:
-        yield api_client
-    finally:
-        api_client.close()
-
-
-@pytest.fixture
 def other_namespace(k8s_cluster: LocalCluster) -> Iterator[str]:
     name = f"reports-other-{uuid.uuid4().hex[:6]}"
     k8s_cluster.request(

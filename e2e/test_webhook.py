@@ -12,7 +12,6 @@ import random
 import statistics
 import string
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,15 +34,6 @@ from strata_operator.api import validation
 from strata_operator.reconcile.policy import InvalidSpec, parse_spec
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def api(k8s_cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    api_client = k8s_cluster.api_client()
-    try:
-        yield api_client
-    finally:
-        api_client.close()
 
 
 def create_policy(api_client: client.ApiClient, namespace: str, **kw: Any) -> dict[str, Any]:

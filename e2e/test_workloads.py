@@ -105,15 +105,6 @@ def training_operator(
 
 
 @pytest.fixture
-def api(k8s_cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    api_client = k8s_cluster.api_client()
-    try:
-        yield api_client
-    finally:
-        api_client.close()
-
-
-@pytest.fixture
 def kubelet(api: client.ApiClient, tmp_path: Path) -> Iterator[LocalKubelet]:
     k = LocalKubelet(
         api, tmp_path, Path("/dev/shm") / f"strata-e2e-workloads-{uuid.uuid4().hex[:8]}"

@@ -32,7 +32,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,16 +42,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from strata.testing.ports import free_port as _free_port
+
 TRAINER_POINTS = ("save.copied", "commit.linked", "commit.done", "seal.before")
 SIDECAR_POINTS = ("promotion.round", "posix.data_written", "seal.before", "stage.copied")
 JOB = "chaos.job"
 STEPS_PER_CYCLE = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 READY_SECONDS = 120.0

