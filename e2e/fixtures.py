@@ -44,7 +44,7 @@ EVIDENCE_ENV = "STRATA_E2E_EVIDENCE"
 EVIDENCE_DIR = Path(__file__).resolve().parent / "results" / "failures"
 """Where a failed test's namespace is written (``e2e/results/failures/<namespace>/``)."""
 
-_EVIDENCE_KINDS = "pods,services,configmaps,jobs,persistentvolumeclaims,checkpointpolicies"
+_EVIDENCE_KINDS = "pods,services,configmaps,jobs,persistentvolumeclaims"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -86,6 +86,8 @@ def save_evidence(cluster: LocalCluster, namespace: str) -> Path:
         return out
 
     dump("objects.yaml", "get", _EVIDENCE_KINDS, "-n", namespace, "-o", "yaml")
+    # A separate read: the CRD may not be installed in this test.
+    dump("checkpointpolicies.yaml", "get", "checkpointpolicies", "-n", namespace, "-o", "yaml")
     dump("events.txt", "get", "events", "-n", namespace, "--sort-by=.lastTimestamp")
     pods = dump("pods.txt", "get", "pods", "-n", namespace, "-o", "name")
     for pod in pods.split():
