@@ -69,6 +69,8 @@ from strata.tiers.base import Tier
 from strata.tiers.ram import RamTier
 from strata.tiers.slots import LocalSlotProvider, ReuseFirstSlotProvider, SlotProvider
 
+__all__ = ["Checkpointer", "RestoreResult"]
+
 log = logging.getLogger("strata.client")
 
 
@@ -297,28 +299,28 @@ class Checkpointer:
     @property
     def last_error(self) -> str | None:
         """The newest save or checksum failure (None: none yet)."""
-        return self.saver.last_error
+        return self.saver.outcomes.last_error
 
     @property
     def failed_saves(self) -> int:
-        return self.saver.failed_saves
+        return self.saver.outcomes.failed_saves
 
     @property
     def saves(self) -> int:
-        return self.saver.saves
+        return self.saver.outcomes.saves
 
     @property
     def last_stall_seconds(self) -> float | None:
-        return self.saver.last_stall_seconds
+        return self.saver.outcomes.last_stall_seconds
 
     @property
     def stall_seconds(self) -> list[float]:
         """The stall of every successful save, seconds, in order."""
-        return self.saver.stall_seconds
+        return self.saver.outcomes.stall_seconds
 
     @property
     def last_saved_step(self) -> int | None:
-        return self.saver.last_saved_step
+        return self.saver.outcomes.last_saved_step
 
     # -- restore (the restore is :class:`strata.client.restorer.Restorer`) ---------------------
 
