@@ -66,9 +66,9 @@ from strata.client.cadence import ComponentCadence
 from strata.client.cuda_host import CopyHandle, HostRegistry, RegisteredSlotMaps, copy_to_host
 from strata.client.outcomes import SaveOutcomes
 from strata.client.reuse import SlotReuse
-from strata.client.slot_commit import SlotCommit
+from strata.client.slot_commit import CopiedSlot, SlotCommit
 from strata.client.slot_ring import SlotRing
-from strata.client.unchanged import Signature, storage_signatures
+from strata.client.unchanged import storage_signatures
 from strata.client.versions import OptimizerHooks, check_unchanged, versions
 from strata.config import Interval
 from strata.format import codec
@@ -184,6 +184,7 @@ class Saver:
         return self.outcomes.should_save(step)
 
     # -- save -----------------------------------------------------------------------------------
+
     def save(
         self,
         step: int,
@@ -272,36 +273,34 @@ class Saver:
         background confirmation: then True); returns (data bytes, deferred, the checksum pass
         to start: :meth:`ChecksumPass.start`)."""
         enc = self._encode(state, replicated)
-        lock, stream, live_versions, skip, dst = self._take_slot(enc)
+        slot, stream, dst = self._take_slot(step, enc)
         deferred = False
         checksum = None
         try:
             try:
-                copy_to_host(enc, dst, self.copy_pool, stream, skip=skip).wait()
-                addr = dst.data_ptr()
+                copy_to_host(enc, dst, self.copy_pool, stream, skip=slot.skip).wait()
+                slot.addr = dst.data_ptr()
             finally:
                 del dst
-            self.last_copied_nbytes = enc.data_nbytes - sum(enc.storages[i].nbytes for i in skip)
-            if skip:
-                sigs = storage_signatures(enc.live, live_versions, enc.sources)  # as copied
+            self.last_copied_nbytes = slot.copied_nbytes
+            if slot.skip:
+                slot.sigs = storage_signatures(enc.live, slot.versions, enc.sources)  # as copied
                 stall = time.perf_counter() - t0
-                self._inflight = self.background.submit(
-                    self._confirm, step, enc, lock, live_versions, skip, addr, stall, sigs
-                )
+                self._inflight = self.background.submit(self._confirm, slot, stall)
                 deferred = True
             else:
-                checksum = self.committer.commit(step, enc, lock, live_versions)
+                checksum = self.committer.commit(slot)
         finally:
             if not deferred:
-                lock.release()
+                slot.lock.release()
         return enc.data_nbytes, deferred, checksum
 
     def _take_slot(
-        self, enc: codec.EncodedState
-    ) -> tuple[SlotWriteLock, Any, list[int], frozenset[int], torch.Tensor]:
-        """Write-lock a slot for ``enc`` and plan the copy: (the lock, the side stream or None,
-        the live tensors' version counters, the storages the slot already holds and that are
-        left in place, a uint8 tensor over the slot's mapping). Releases the lock on error."""
+        self, step: int, enc: codec.EncodedState
+    ) -> tuple[CopiedSlot, Any, torch.Tensor]:
+        """Write-lock a slot for ``enc`` and plan the copy: (the slot to copy ``step`` into,
+        with the live tensors' version counters and the storages left in place; the side
+        stream or None; a uint8 tensor over the slot's mapping). Releases the lock on error."""
         stream = self.slots.stream(enc)
         valid = self.reuse.validate()
         lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
@@ -314,28 +313,18 @@ class Saver:
         except BaseException:
             lock.release()
             raise
-        return lock, stream, live_versions, skip, dst
+        return CopiedSlot(step, enc, lock, live_versions, skip), stream, dst
 
-    def _confirm(
-        self,
-        step: int,
-        enc: codec.EncodedState,
-        lock: SlotWriteLock,
-        live_versions: list[int],
-        skip: frozenset[int],
-        addr: int,
-        stall: float,
-        sigs: list[Signature | None] | None = None,
-    ) -> bool:
+    def _confirm(self, slot: CopiedSlot, stall: float) -> bool:
         """Background: :meth:`SlotCommit.confirm_and_commit`, recorded as the save's outcome."""
         try:
-            self.committer.confirm_and_commit(step, enc, lock, live_versions, skip, addr, sigs)
+            self.committer.confirm_and_commit(slot)
         except Exception as exc:
-            self.outcomes.failed(step, exc)
+            self.outcomes.failed(slot.step, exc)
             if self.raise_on_error:
                 raise
             return False
-        self.outcomes.succeeded(step, stall)
+        self.outcomes.succeeded(slot.step, stall)
         return True
 
     # -- overlapped mode ----------------------------------------------------------------------
@@ -344,60 +333,48 @@ class Saver:
         self, step: int, state: Any, t0: float, replicated: bool | Collection[str] | None
     ) -> None:
         enc = self._encode(state, replicated)
-        lock, stream, live_versions, skip, dst = self._take_slot(enc)
+        slot, stream, dst = self._take_slot(step, enc)
         try:
-            sigs = storage_signatures(enc.live, live_versions, enc.sources) if skip else None
-            self.last_copied_nbytes = enc.data_nbytes - sum(enc.storages[i].nbytes for i in skip)
+            if slot.skip:
+                slot.sigs = storage_signatures(enc.live, slot.versions, enc.sources)
+            self.last_copied_nbytes = slot.copied_nbytes
             handle = copy_to_host(
                 enc,
                 dst,
                 self.copy_pool,
                 stream,
                 background=self._overlap,
-                skip=skip,
-                pinned=self.slots.is_registered(lock.path),
+                skip=slot.skip,
+                pinned=self.slots.is_registered(slot.lock.path),
             )
         except BaseException:
-            lock.release()
+            slot.lock.release()
             raise
         self._hooks.hook(state)
         stall = time.perf_counter() - t0
-        self._inflight = self._overlap.submit(
-            self._complete, step, enc, live_versions, lock, handle, dst, stall, skip, sigs
-        )
+        self._inflight = self._overlap.submit(self._complete, slot, handle, dst, stall)
 
     def _complete(
-        self,
-        step: int,
-        enc: codec.EncodedState,
-        live_versions: list[int],
-        lock: SlotWriteLock,
-        handle: CopyHandle,
-        dst: torch.Tensor,
-        stall: float,
-        skip: frozenset[int] = frozenset(),
-        sigs: list[Signature | None] | None = None,
+        self, slot: CopiedSlot, handle: CopyHandle, dst: torch.Tensor, stall: float
     ) -> bool:
         confirming: Future[bool] | None = None
         try:
             try:
                 handle.wait()
-                addr = dst.data_ptr()
+                slot.addr = dst.data_ptr()
                 del dst
-                check_unchanged(enc.live, live_versions, step)
-                if skip:  # committed by the confirmation, on the background thread (in order)
-                    confirming = self._bg.submit(
-                        self._confirm, step, enc, lock, live_versions, skip, addr, stall, sigs
-                    )
+                check_unchanged(slot.enc.live, slot.versions, slot.step)
+                if slot.skip:  # committed by the confirmation, on the background thread (in order)
+                    confirming = self._bg.submit(self._confirm, slot, stall)
                 else:
-                    checksum = self.committer.commit(step, enc, lock, live_versions)
+                    checksum = self.committer.commit(slot)
             finally:
                 if confirming is None:
-                    lock.release()
+                    slot.lock.release()
             if confirming is None:
                 self.checksums.start(self.background, checksum)
         except Exception as exc:
-            self.outcomes.failed(step, exc)
+            self.outcomes.failed(slot.step, exc)
             if self.raise_on_error:
                 raise
             return False
@@ -405,10 +382,10 @@ class Saver:
             self.background.track(confirming)
             ok = confirming.result()  # _confirm records its own outcome
             if ok:
-                self._after_save(enc.data_nbytes)
+                self._after_save(slot.enc.data_nbytes)
             return ok
-        self.outcomes.succeeded(step, stall)
-        self._after_save(enc.data_nbytes)
+        self.outcomes.succeeded(slot.step, stall)
+        self._after_save(slot.enc.data_nbytes)
         return True
 
     def wait_copied(self, timeout: float | None = None) -> bool | None:

@@ -17,6 +17,7 @@ with slow components (:mod:`strata.client.cadence`), the step each one's bytes c
 from __future__ import annotations
 
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 from strata import faults
 from strata.client.background import Checksum, ChecksumPass
@@ -26,6 +27,28 @@ from strata.format import codec
 from strata.format.manifest import DEFAULT_CHUNK_SIZE, Manifest
 from strata.tiers.ram import RamTier
 from strata.tiers.slots import SlotWriteLock
+
+
+@dataclass
+class CopiedSlot:
+    """One save's bytes of ``step`` in a slot it holds the write ``lock`` of, to commit."""
+
+    step: int
+    enc: codec.EncodedState
+    lock: SlotWriteLock
+    versions: list[int]
+    """The version counters of ``enc.live`` as of the bytes copied ("unchanged since" hint)."""
+    skip: frozenset[int] = frozenset()
+    """Storages left in place: the slot already held their live bytes (:mod:`.reuse`)."""
+    addr: int = 0
+    """Address of the slot's mapping, once copied (confirmation reads the bytes there)."""
+    sigs: list[Signature | None] | None = None
+    """The storages' signatures as read when copying (None: read at confirmation)."""
+
+    @property
+    def copied_nbytes(self) -> int:
+        """Bytes written into the slot (all but the storages left in place)."""
+        return self.enc.data_nbytes - sum(self.enc.storages[i].nbytes for i in self.skip)
 
 
 class SlotCommit:
@@ -76,43 +99,40 @@ class SlotCommit:
             manifest = manifest.model_copy(update={"component_steps": slow})
         return manifest
 
-    def commit(
-        self, step: int, enc: codec.EncodedState, lock: SlotWriteLock, live_versions: list[int]
-    ) -> Checksum:
-        """Commit the copied slot ``lock`` holds (checked to be the inode written);
-        ``live_versions``: the version counters of ``enc.live`` as of the bytes copied (the
-        "unchanged since" hint, :mod:`strata.client.unchanged`). Returns the checksum pass for
-        the caller to start (:meth:`ChecksumPass.start`). Raises what the RAM tier raises."""
+    def commit(self, slot: CopiedSlot) -> Checksum:
+        """Commit ``slot`` (checked to be the inode written) with a manifest without
+        checksums. Returns the checksum pass for the caller to start
+        (:meth:`ChecksumPass.start`). Raises what the RAM tier raises."""
         faults.point("save.copied")
+        step, enc, lock = slot.step, slot.enc, slot.lock
         manifest = self.manifest(step, enc)
         self.ram.commit_slot(
             self.job_id, step, self.rank, lock.path, manifest, expect=lock.identity
         )
-        snap = Snapshot(list(enc.live), live_versions, list(enc.sources))
+        snap = Snapshot(list(enc.live), slot.versions, list(enc.sources))
         return (step, manifest.created.isoformat(), snap, lock.identity, enc.storages)
 
-    def confirm_and_commit(
-        self,
-        step: int,
-        enc: codec.EncodedState,
-        lock: SlotWriteLock,
-        live_versions: list[int],
-        skip: frozenset[int],
-        addr: int,
-        sigs: list[Signature | None] | None = None,
-    ) -> None:
-        """Commit a save that left ``skip`` in place once the slot's bytes (mapped at ``addr``)
-        are confirmed to be the live ones (:func:`strata.client.reuse.confirm`); releases
-        ``lock``. ``sigs``: as read by ``save()`` (read here, a storage reallocated since
-        looked unmoved). Raises on a mismatch (skipping is then off for those storages)."""
+    def confirm_and_commit(self, slot: CopiedSlot) -> None:
+        """Commit ``slot``, which left ``slot.skip`` in place, once the slot's bytes are
+        confirmed to be the live ones (:func:`strata.client.reuse.confirm`); releases its lock.
+        Raises on a mismatch (skipping is then off for those storages)."""
+        step, enc, lock = slot.step, slot.enc, slot.lock
         try:
+            sigs = slot.sigs
             if sigs is None:
-                sigs = storage_signatures(enc.live, live_versions, enc.sources)
-            snap = Snapshot(list(enc.live), live_versions, list(enc.sources))
+                sigs = storage_signatures(enc.live, slot.versions, enc.sources)
+            snap = Snapshot(list(enc.live), slot.versions, list(enc.sources))
             unchanged = self.checksums.unchanged.since(step, snap, sigs)
             faults.point("save.confirm")
             res = self.reuse.confirmed(
-                step, enc, addr, skip, sigs, self.chunk_size, self.copy_pool, self.copy_threads
+                step,
+                enc,
+                slot.addr,
+                slot.skip,
+                sigs,
+                self.chunk_size,
+                self.copy_pool,
+                self.copy_threads,
             )
             manifest = self.manifest(step, enc).model_copy(
                 update={
