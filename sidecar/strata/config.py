@@ -211,6 +211,11 @@ class StrataConfig(_Frozen):
             out["gcs"] = self.gcs.components
         return out
 
+    def durable(self, name: TierName) -> PvcTierConfig | GcsTierConfig | None:
+        """The configuration of durable tier ``name`` ("pvc" or "gcs"; None: not configured,
+        or "ram")."""
+        return self.pvc if name == "pvc" else self.gcs if name == "gcs" else None
+
     @property
     def socket(self) -> Path:
         return Path(self.socket_path or os.path.join(self.ram.path, SOCKET_RELPATH))

@@ -46,81 +46,32 @@ import os
 import time
 from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from strata.client import steps as _steps
 from strata.client.cadence import ComponentCadence
+from strata.client.collectives import RestoreCollectives
 from strata.client.cuda_host import holds_cuda
 from strata.client.late_sidecar import SidecarWatch
-from strata.client.loader import load_failure, load_shard, settle_load
+from strata.client.restore_load import RankLoader, RestoreTiers
+from strata.client.restorer import Restorer, RestoreResult, SlotsAfter
 from strata.client.saver import Saver
-from strata.client.sharded import ShardedLoad, ShardReader, reshard_candidate
 from strata.client.stager import LocalStager, Stager
 from strata.client.termination import Termination
 from strata.config import StrataConfig
 from strata.constants import ENV_RESTORE_RESHARD
-from strata.errors import ConfigError, RestoreError, ShardCorrupt, StageError, TierError
-from strata.format import codec
-from strata.format.incarnation import Incarnation, new_incarnation_id
-from strata.protocol import ClientEvent, RestoreEvent
-from strata.restore import (
-    RankInventory,
-    StageResult,
-    plan_restore,
-    skipped_partial_steps,
-)
+from strata.errors import ConfigError
+from strata.protocol import ClientEvent
 from strata.tiers.base import Tier
-from strata.tiers.configured import durable_tiers, in_restore_order
 from strata.tiers.ram import RamTier
-from strata.tiers.records import write_incarnation
-from strata.tiers.slots import (
-    LocalSlotProvider,
-    ReuseFirstSlotProvider,
-    SlotLease,
-    SlotProvider,
-)
+from strata.tiers.slots import LocalSlotProvider, ReuseFirstSlotProvider, SlotProvider
+
+__all__ = ["Checkpointer", "RestoreResult"]
 
 log = logging.getLogger("strata.client")
-
-
-@dataclass
-class RestoreResult:
-    """What :meth:`Checkpointer.restore` did."""
-
-    step: int | None
-    """The restored step; None: fresh start (nothing restorable and fresh starts allowed)."""
-    tiers: dict[int, str]
-    """Per rank, the tier that served its shard (all ranks with torch.distributed)."""
-    nbytes: int
-    """Bytes of this rank's shard."""
-    seconds: float
-    """Wall time of the whole restore on this rank (inventory, staging, load)."""
-    skipped: list[str] = field(default_factory=list)
-    """Notes: partial steps (C-03), quarantined copies (C-04), other world sizes, tiers down."""
-    state: Any = None
-    """The loaded state tree (live objects where they were updated in place)."""
-    component_steps: dict[str, int] = field(default_factory=dict)
-    """Components saved at their own cadence: the step each one's bytes come from (issue 18;
-    ``component_every``); empty: every component is from ``step``."""
-
-    @property
-    def fresh_start(self) -> bool:
-        return self.step is None
-
-    @property
-    def next_step(self) -> int:
-        """The step to train next: restored step + 1, or 0 on a fresh start."""
-        return 0 if self.step is None else self.step + 1
-
-    @property
-    def tier(self) -> str | None:
-        """This rank's tier (the first entry when called on a single process)."""
-        return next(iter(self.tiers.values()), None)
 
 
 def _env_int(name: str) -> int | None:
@@ -186,6 +137,8 @@ class Checkpointer:
             keep=self.config.ram.keep,
             verify_threads=min(4, os.cpu_count() or 1),
         )
+        self.tiers = RestoreTiers(self.config, self.ram, self.writer_id)
+        """The tiers a restore reads (built on first use)."""
         self._sidecar_watch: SidecarWatch | None = None
         if slot_provider is None and stager is None:
             # A ready sidecar on the local socket serves slots and staging (strata.sidecar).
@@ -209,7 +162,11 @@ class Checkpointer:
                 # Promotion is the sidecar's job: keep looking for one that starts late.
                 self._sidecar_watch = SidecarWatch(
                     self.config.socket,
-                    " and ".join(t for t in ("pvc", "gcs") if getattr(self.config, t)),
+                    " and ".join(
+                        t
+                        for t, tier in (("pvc", self.config.pvc), ("gcs", self.config.gcs))
+                        if tier is not None
+                    ),
                 )
         self.slot_provider: SlotProvider = slot_provider or LocalSlotProvider(
             self.ram, keep=self.config.ram.keep
@@ -239,34 +196,39 @@ class Checkpointer:
         every = component_every if component_every is not None else self.config.component_every
         if every:
             self.saver.cadence = ComponentCadence(every)
-        self._component_steps: dict[str, int] = {}
-        self._tiers: list[Tier] | None = None
         self.incarnation = ""
         """The incarnation opened by the last :meth:`restore` (``""`` before any)."""
-        self._sharded_load = ShardedLoad(self.rank, self.world_size, self.world_size)
-        self._loaded_hint: tuple[int, bool] | None = None
-        self._load_quarantined: list[str] = []
-        self._tier_notes: list[str] = []
+        self.restorer = Restorer(
+            self.config,
+            self.ram,
+            self.stager,
+            self.tiers,
+            RestoreCollectives(self.rank, self.world_size, process_group),
+            RankLoader(
+                self.ram,
+                self.job_id,
+                self.rank,
+                self.world_size,
+                verify=self.config.restore.verify,
+                buffers=self.saver,
+                tiers=self._restore_tiers,
+                stager_deferred=lambda: self.stager.defers_in_place_verify,
+            ),
+            rank=self.rank,
+            world_size=self.world_size,
+            reshard=self.reshard,
+            report=self._report,
+            on_incarnation=self._set_incarnation,
+        )
+        """The restore (:mod:`strata.client.restorer`; its phases: :mod:`strata.client.collectives`)."""
         self.termination = Termination(self)
         """SIGTERM handling and the final flush (:mod:`strata.client.termination`)."""
 
     # -- tiers ----------------------------------------------------------------------------------
 
     def _restore_tiers(self) -> list[Tier]:
-        if self._tiers is None:
-
-            def leave_out_gcs(exc: Exception) -> None:
-                # No credentials or no client library must not stop a restore that RAM or the
-                # PVC can serve: the tier is left out and the restore says so.
-                note = f"gcs: not searched: {exc}"
-                log.warning("strata: %s", note)
-                self._tier_notes.append(note)
-
-            durable = durable_tiers(
-                self.config, writer_id=self.writer_id, on_gcs_error=leave_out_gcs
-            )
-            self._tiers = in_restore_order(self.config, self.ram, durable)
-        return self._tiers
+        """The tiers a restore reads, nearest first (:class:`strata.client.restore_load.RestoreTiers`)."""
+        return self.tiers.get()
 
     # -- save (the save path is :class:`strata.client.saver.Saver`) ---------------------------------
 
@@ -337,47 +299,30 @@ class Checkpointer:
     @property
     def last_error(self) -> str | None:
         """The newest save or checksum failure (None: none yet)."""
-        return self.saver.last_error
+        return self.saver.outcomes.last_error
 
     @property
     def failed_saves(self) -> int:
-        return self.saver.failed_saves
+        return self.saver.outcomes.failed_saves
 
     @property
     def saves(self) -> int:
-        return self.saver.saves
+        return self.saver.outcomes.saves
 
     @property
     def last_stall_seconds(self) -> float | None:
-        return self.saver.last_stall_seconds
+        return self.saver.outcomes.last_stall_seconds
 
     @property
     def stall_seconds(self) -> list[float]:
         """The stall of every successful save, seconds, in order."""
-        return self.saver.stall_seconds
+        return self.saver.outcomes.stall_seconds
 
     @property
     def last_saved_step(self) -> int | None:
-        return self.saver.last_saved_step
+        return self.saver.outcomes.last_saved_step
 
-    # -- restore --------------------------------------------------------------------------------
-
-    def _dist(self) -> Any:
-        if (
-            self.world_size > 1
-            and torch.distributed.is_available()
-            and torch.distributed.is_initialized()
-        ):
-            return torch.distributed
-        return None
-
-    def _gather(self, obj: Any) -> list[Any]:
-        dist = self._dist()
-        if dist is None:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.process_group)
-        return out
+    # -- restore (the restore is :class:`strata.client.restorer.Restorer`) ---------------------
 
     def all_steps(self, tier: str | None = None) -> list[int]:
         """Committed steps, ascending: in ``tier`` ("ram", "pvc", "gcs", "peer"), or restorable
@@ -409,385 +354,32 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         self.saver.forget_unchanged()  # a restore writes tensors without bumping their versions
-        now = datetime.now(UTC)
-        proposal = {"id": new_incarnation_id(now), "created": now.isoformat()}
-        chosen: dict[str, str] | None = None
-        excluded: list[int] = []
-        clobbered = False
-        self._load_quarantined = []  # copies this restore's loads found corrupt (reported)
-        self._restore_tiers()
-        notes: list[str] = list(self._tier_notes)
-        if self.world_size > 1 and self._dist() is None:
-            notes.append(
-                f"world size {self.world_size} without torch.distributed: other ranks' RAM tiers "
-                "cannot be seen, so only the PVC and GCS can serve a complete step; call "
-                "torch.distributed.init_process_group() before restore()"
-            )
-        cand = None
-        if self.reshard:
-            mine = reshard_candidate(self._restore_tiers(), self.job_id, self.world_size)
-            cand = _steps.pin_candidate(self._gather(mine)[0], step)
-        for _ in range(64):
-            inv = self.stager.inventory(self.job_id, self.rank, self.world_size)
-            gathered = self._gather({"inventory": inv.to_dict(), "incarnation": proposal})
-            invs = _steps.pin_step(
-                [RankInventory.from_dict(g["inventory"]) for g in gathered], step
-            )
-            # Every rank takes rank 0's proposal: one incarnation id for the whole world.
-            chosen = chosen or gathered[0]["incarnation"]
-            for note in skipped_partial_steps(invs) + [n for i in invs for n in i.notes]:
-                if note not in notes:
-                    notes.append(note)
-                    log.warning("strata restore: %s", note)
-            plan = plan_restore(
-                invs, self.world_size, self.config.tiers_in_restore_order(), excluded
-            )
-            if cand is not None and (plan is None or cand[0] > plan.step):
-                assert chosen is not None
-                resharded = self._reshard(state, cand[0], cand[1], notes, t0, chosen)
-                if resharded is not None:
-                    return resharded
-                cand = None
-                continue
-            if plan is None:
-                break
-            try:
-                res: StageResult | None = self.stager.stage(
-                    self.job_id, plan.step, self.rank, self.world_size, plan.sources[self.rank]
-                )
-                err = None
-            except StageError as exc:
-                res, err = None, str(exc)
-                notes.extend(exc.skipped)
-            except Exception as exc:  # stay in lockstep with the other ranks: fail this step only
-                res, err = None, f"staging failed: {exc!r}"
-                notes.append(f"step {plan.step}: {err}")
-            outcomes = self._gather(None if res is None else res.tier)
-            if res is None or any(o is None for o in outcomes):
-                log.warning(
-                    "strata restore: step %d could not be staged on every rank (%s); re-planning "
-                    "without it",
-                    plan.step,
-                    err or "another rank failed",
-                )
-                excluded.append(plan.step)
-                continue
-            for note in res.skipped:
-                if note not in notes:
-                    notes.append(note)
-            failure: BaseException | None = None
-            try:
-                tree, load_err = self._load(state, plan.step, res.tier, notes), None
-            except ShardCorrupt as exc:
-                tree, load_err, clobbered, failure = None, f"{res.tier}: {exc}", True, exc
-                notes.append(f"{load_err} (quarantined)")
-                self._load_quarantined.append(res.tier)
-                try:
-                    self.ram.quarantine(self.job_id, plan.step, self.rank, str(exc))
-                except TierError as qexc:
-                    notes.append(f"ram: quarantine failed: {qexc}")
-            except Exception as exc:  # any other failure: every rank learns of it (no hang)
-                tree, load_err, failure = None, f"{res.tier}: {exc!r}", exc
-            if not settle_load(self._gather(load_failure(failure)), self.rank, plan.step, failure):
-                # A copy failed verification while loading (here or on another rank): every
-                # rank plans again; the quarantined copy is no longer listed.
-                log.warning(
-                    "strata restore: step %d failed to load (%s); re-planning",
-                    plan.step,
-                    load_err or "on another rank",
-                )
-                continue
-            assert chosen is not None
-            self._open_incarnation(chosen, plan.incarnation or None, plan.step, notes)
-            self._finish_sharded(self._sharded_load, plan.step, notes)
-            result = RestoreResult(
-                step=plan.step,
-                tiers={r: t for r, t in enumerate(outcomes)}
-                if len(outcomes) > 1
-                else {self.rank: res.tier},
-                nbytes=res.nbytes,
-                seconds=time.perf_counter() - t0,
-                skipped=notes,
-                state=tree,
-                component_steps=dict(self._component_steps),
-            )
-            if self._component_steps:
-                log.warning(
-                    "strata: step %d holds components from earlier steps (own cadence): %s",
-                    plan.step,
-                    self._component_steps,
-                )
-            log.warning(
-                "strata: restored step %d of job %s rank %d from the %s tier (%d bytes, %.3f s)",
-                plan.step,
-                self.job_id,
-                self.rank,
-                res.tier,
-                res.nbytes,
-                result.seconds,
-            )
-            self._report_restore(result, "restored")
-            self._prepare_after_load(state)
-            return result
-        searched = ", ".join(
-            f"{t}={self._tier_location(t)}" for t in self.config.tiers_in_restore_order()
-        )
-        if step is not None:
-            self._report_restore(
-                RestoreResult(None, {}, 0, time.perf_counter() - t0, notes), "failed"
-            )
-            raise _steps.not_restorable(self.job_id, step, self.world_size, searched, notes)
-        if self.config.restore.allow_fresh_start and clobbered:
-            self._report_restore(
-                RestoreResult(None, {}, 0, time.perf_counter() - t0, notes), "failed"
-            )
-            raise RestoreError(
-                f"no verifying copy of job {self.job_id!r} is left, and a corrupt copy was "
-                "partly loaded into the live state before its checksum failed, so a fresh start "
-                "would train from mixed weights: re-create the model and optimizer and call "
-                f"restore() again (notes: {'; '.join(notes)})"
-            )
-        if self.config.restore.allow_fresh_start:
-            log.warning(
-                "strata: NO restorable checkpoint for job %s (searched %s); starting from scratch "
-                "because restore.allow_fresh_start is set",
-                self.job_id,
-                searched,
-            )
-            self._open_incarnation(chosen or proposal, None, None, notes)
-            fresh = RestoreResult(None, {}, 0, time.perf_counter() - t0, notes, state)
-            self._report_restore(fresh, "fresh-start")
-            self._prepare_quietly(state)
-            return fresh
-        self._report_restore(RestoreResult(None, {}, 0, time.perf_counter() - t0, notes), "failed")
-        raise RestoreError(
-            f"no restorable checkpoint for job {self.job_id!r} with world size {self.world_size} "
-            f"(searched {searched}; excluded after failed staging: {excluded or 'none'}; notes: "
-            f"{'; '.join(notes) or 'none'}). Set restore.allowFreshStart in the CheckpointPolicy "
-            "(or allow_fresh_start=True) to start from scratch"
-        )
+        out = self.restorer.restore(state, step, t0)
+        self._prepare_after_restore(state, out.slots)
+        return out.result
 
-    def _prepare_after_load(self, state: Any) -> None:
-        """Slots for the next save, in the background, sized by the shard just loaded (the live
-        state now has its tree; encoding the state again only to size them cost ~30 us per
-        tensor on the restore path); a save that needs more prepares again
-        (``Saver._after_save``)."""
-        hint, self._loaded_hint = self._loaded_hint, None
-        if hint is None or hint[0] <= 0:
-            self._prepare_quietly(state)
+    def _prepare_after_restore(self, state: Any, slots: SlotsAfter) -> None:
+        """Slots for the next save, in the background. Sized by the shard just loaded when the
+        restore knows it (the live state now has its tree; encoding the state again only to
+        size them cost ~30 us per tensor on the restore path); a save that needs more prepares
+        again (``Saver._after_save``). Never fails the restore."""
+        if slots == "none":
             return
-        self.saver.prepare_in_background(hint[0], hint[1])
-
-    def _prepare_quietly(self, state: Any) -> None:
-        """Slots for the next save, in the background (never fails the restore)."""
+        if slots != "from-state":
+            self.saver.prepare_in_background(*slots)
+            return
         try:
             self.prepare(state, background=True)
         except Exception as exc:  # an unsupported value: the first save will say so
             log.debug("strata: slots not prepared after restore: %s", exc)
 
-    def _open_incarnation(
-        self, chosen: dict[str, str], parent: str | None, base_step: int | None, notes: list[str]
-    ) -> None:
-        """Open the incarnation agreed in the restore all-gather: from now on every manifest
-        carries its id. Its record (identical bytes on every rank) goes into this node's RAM
-        tier (every rank; the sidecar copies it next to the steps it commits), and rank 0 also
-        writes it to the shared tiers now, so the lineage survives the loss of every node."""
-        rec = Incarnation(
-            job_id=self.job_id,
-            id=chosen["id"],
-            parent=parent,
-            base_step=base_step,
-            world_size=self.world_size,
-            created=datetime.fromisoformat(chosen["created"]),
-        )
-        targets: list[Tier] = [self.ram]
-        if self.rank == 0:
-            targets += [t for t in self._restore_tiers() if t.name != "ram"]
-        for tier in targets:
-            try:
-                write_incarnation(tier, rec)
-            except Exception as exc:  # the lineage is also carried by the sidecars' commits
-                note = f"{tier.name}: incarnation record {rec.id} not written: {exc}"
-                log.warning("strata restore: %s", note)
-                notes.append(note)
-        self.incarnation = rec.id
-        self.saver.incarnation = rec.id
-        log.info(
-            "strata: job %s rank %d opened incarnation %s (parent %s, resumed from step %s)",
-            self.job_id,
-            self.rank,
-            rec.id,
-            parent,
-            base_step,
-        )
+    def _set_incarnation(self, incarnation: str) -> None:
+        self.incarnation = incarnation
+        self.saver.incarnation = incarnation
 
     def _report(self, event: ClientEvent) -> None:
         """Hand a save/restore event to the sidecar (off the training thread; best effort)."""
         self._bg.submit(self.stager.report, event)
-
-    def _report_restore(
-        self, result: RestoreResult, outcome: Literal["restored", "fresh-start", "failed"]
-    ) -> None:
-        self._report(
-            RestoreEvent(
-                job_id=self.job_id,
-                rank=self.rank,
-                outcome=outcome,
-                step=result.step,
-                tier=result.tiers.get(self.rank, result.tier),
-                nbytes=result.nbytes,
-                seconds=result.seconds,
-                skipped=result.skipped[:16],
-                quarantined=list(self._load_quarantined),
-            )
-        )
-
-    def _tier_location(self, tier: str) -> str:
-        if tier == "ram":
-            return self.config.ram.path
-        if tier == "pvc" and self.config.pvc is not None:
-            return self.config.pvc.path
-        if tier == "gcs" and self.config.gcs is not None:
-            return f"gs://{self.config.gcs.bucket}/{self.config.gcs.prefix}"
-        if tier == "peer" and self.config.peers is not None:
-            return f"{len(self.config.peers.peers)} peers (through the sidecar)"
-        return "?"
-
-    def _load(self, state: Any, step: int, tier: str, notes: list[str]) -> Any:
-        """Load this rank's staged RAM shard of ``step`` into ``state`` (one pass: verify while
-        copying when the stager left a RAM hit unverified; :mod:`strata.client.loader`).
-        Sharded tensors not in this shard come from their owners or the tiers
-        (:meth:`_finish_sharded`, called by restore once every rank loaded). Raises :class:`ShardCorrupt` (the live state is then partly
-        overwritten) and :class:`RestoreError` (some rank could not load its sharded tensors)."""
-        load = ShardedLoad(self.rank, self.world_size, self.world_size)
-        deferred = tier == self.ram.name and self.stager.defers_in_place_verify
-        with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
-            m = lease.manifest
-            assert m is not None
-            self._component_steps = dict(m.component_steps or {})
-            verify = deferred and self.config.restore.verify and m.verified
-            mapped = self.saver.mapping_of(lease.path)
-            if mapped is not None and len(mapped) < m.data_nbytes:
-                mapped = None  # mapped before the slot grew: the loader maps it itself
-            out = load_shard(
-                state,
-                m,
-                lease.path,
-                pool=self.saver.copy_pool,
-                workers=self.saver.copy_threads,
-                verify=verify,
-                # A shard its stager verified (or a policy without verification) is copied
-                # only; one without checksums yet is checksummed on the way.
-                checksum=verify or not m.verified,
-                mapped=mapped,
-                device_source=lambda: self.saver.host_view(lease.path),
-                resolve=load.resolve,
-            )
-            if deferred and not m.verified and m.data_nbytes:
-                self.ram.update_checksums(
-                    self.job_id, step, self.rank, out.chunk_crc32c, out.crc32c
-                )
-                notes.append(
-                    f"ram: step {step} rank {self.rank} had no checksums yet (its writer stopped "
-                    "before the checksum pass); checksummed now, not verified against an "
-                    "earlier record"
-                )
-        self._sharded_load = load
-        # Sharded tensors go to the resharding restore, not the loader: their device is unknown
-        # here, so such a state is sized by encoding it (after the load, as before).
-        self._loaded_hint = None if m.sharded else (m.data_nbytes, out.cuda)
-        return out.tree
-
-    def _finish_sharded(self, load: ShardedLoad, step: int, notes: list[str]) -> None:
-        """Replicas from their owners (point to point), then other slices from the tiers; every
-        rank learns whether every rank succeeded (RestoreError otherwise)."""
-        err = None
-        try:
-            load.exchange(self.process_group)
-            if load.pending:
-                reader = ShardReader(self._restore_tiers(), self.job_id, step)
-                try:
-                    load.fill_from_tiers(reader)
-                finally:
-                    notes.extend(reader.notes)
-                    reader.close()
-        except Exception as exc:  # any failure (a device copy, NCCL): every rank learns of it
-            err = exc
-        errors = self._gather(None if err is None else f"rank {self.rank}: {err}")
-        if err is not None:
-            raise err
-        failed = [e for e in errors if e is not None]
-        if failed:
-            raise RestoreError(f"step {step}: sharded tensors could not be loaded: {failed[0]}")
-
-    def _reshard(
-        self,
-        state: Any,
-        step: int,
-        saved_world: int,
-        notes: list[str],
-        t0: float,
-        chosen: dict[str, str],
-    ) -> RestoreResult | None:
-        """Restore ``step``, written by ``saved_world`` ranks, at this world size (resharding).
-
-        Rank r loads its per-rank values (non-sharded tensors, RNG, dataloader state) from saved
-        rank r when that rank existed, else from saved rank ``r % saved_world`` (noted); every
-        sharded tensor gets the slice this rank holds now from the saved owners' shards.
-        Returns None (noted) when some rank could not load it.
-        """
-        src = self.rank if self.rank < saved_world else self.rank % saved_world
-        reader = ShardReader(self._restore_tiers(), self.job_id, step)
-        load = ShardedLoad(self.rank, self.world_size, saved_world)
-        err = None
-        tree: Any = None
-        parent = ""
-        try:
-            m = reader.manifest(src)
-            parent = m.incarnation
-            data = reader.read(src, 0, m.data_nbytes)
-            tree = codec.load_into(
-                state, m, data, where=f"step {step} rank {src}", resolve=load.resolve
-            )
-            load.fill_from_tiers(reader)
-        except Exception as exc:  # any failure (a device copy, NCCL): every rank learns of it
-            err = f"rank {self.rank}: {exc}"
-        finally:
-            notes.extend(n for n in reader.notes if n not in notes)
-            reader.close()
-        errors = [e for e in self._gather(err) if e is not None]
-        if errors:
-            note = f"step {step} (world size {saved_world}) could not be resharded: {errors[0]}"
-            log.warning("strata restore: %s", note)
-            notes.append(note)
-            return None
-        if src != self.rank:
-            notes.append(
-                f"rank {self.rank} did not exist in step {step} (world size {saved_world}): its "
-                f"per-rank values (non-sharded tensors, RNG, dataloader state) are rank {src}'s"
-            )
-        notes.append(f"step {step} resharded from world size {saved_world} to {self.world_size}")
-        self._open_incarnation(chosen, parent or None, step, notes)
-        result = RestoreResult(
-            step=step,
-            tiers={self.rank: "reshard"},
-            nbytes=reader.nbytes_read,
-            seconds=time.perf_counter() - t0,
-            skipped=notes,
-            state=tree,
-        )
-        log.warning(
-            "strata: restored step %d of job %s rank %d by resharding from world size %d "
-            "(%d bytes read, %.3f s)",
-            step,
-            self.job_id,
-            self.rank,
-            saved_world,
-            reader.nbytes_read,
-            result.seconds,
-        )
-        self._report_restore(result, "restored")
-        return result
 
     # -- lifecycle ------------------------------------------------------------------------------
 

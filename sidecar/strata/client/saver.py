@@ -40,6 +40,12 @@ in full.
 ``prepare(nbytes)`` allocates, maps with ``MAP_POPULATE`` (and registers with CUDA) every slot
 of the ring before a save needs it: the checkpointer calls it in the background at ``restore()``
 and after the first save, so no save pays slot allocation or first-touch page faults.
+
+The parts: :mod:`strata.client.slot_ring` (the mapped slot ring), :mod:`strata.client.background`
+(the background thread and the checksum pass), :mod:`strata.client.outcomes` (counts, stalls,
+errors, save events, the interval), :mod:`strata.client.versions` (version counters, optimizer
+hooks) and :mod:`strata.client.reuse` (storages left in place). :class:`Saver` encodes, copies
+and commits.
 """
 
 from __future__ import annotations
@@ -47,8 +53,6 @@ from __future__ import annotations
 import gc
 import logging
 import mmap
-import os
-import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -57,33 +61,21 @@ from typing import Any
 
 import torch
 
-from strata import faults
+from strata.client.background import BackgroundWork, Checksum, ChecksumPass
 from strata.client.cadence import ComponentCadence
-from strata.client.cuda_host import (
-    CopyHandle,
-    HostRegistry,
-    RegisteredSlotMaps,
-    copy_to_host,
-    side_streams,
-)
+from strata.client.cuda_host import CopyHandle, HostRegistry, RegisteredSlotMaps, copy_to_host
+from strata.client.outcomes import SaveOutcomes
 from strata.client.reuse import SlotReuse
-from strata.client.unchanged import Signature, Snapshot, UnchangedTracker, storage_signatures
+from strata.client.slot_commit import CopiedSlot, SlotCommit
+from strata.client.slot_ring import SlotRing
+from strata.client.unchanged import storage_signatures
+from strata.client.versions import OptimizerHooks, check_unchanged, versions
 from strata.config import Interval
-from strata.errors import ShardUnavailable, StateChanged, TierError
-from strata.format import codec, layout
+from strata.format import codec
 from strata.format.encode_cache import EncodeCache
-from strata.format.manifest import DEFAULT_CHUNK_SIZE, Manifest, StorageEntry
-from strata.intervals import due_now, interval_policy
-from strata.protocol import ClientEvent, SaveEvent
+from strata.protocol import ClientEvent
 from strata.tiers.ram import RamTier
-from strata.tiers.slots import (
-    Identity,
-    SlotLease,
-    SlotProvider,
-    SlotWriteLock,
-    path_identity,
-    slots_dir,
-)
+from strata.tiers.slots import SlotProvider, SlotWriteLock
 
 log = logging.getLogger("strata.client")
 
@@ -123,52 +115,75 @@ class Saver:
         self.rank = rank
         self.world_size = world_size
         self.writer_id = writer_id
-        self.incarnation = ""
-        """Stamped into every manifest: the incarnation :meth:`Checkpointer.restore` opened
-        (``""`` before any restore: shards of no incarnation)."""
-        self.every = every
-        self._bg = background
-        self.report = report
         self.raise_on_error = raise_on_error
-        self.chunk_size = DEFAULT_CHUNK_SIZE
-        self.host = HostRegistry(register_limit_bytes)
-        self._maps = RegisteredSlotMaps(self.host)
+        self.outcomes = SaveOutcomes(job_id, rank, every, report)
+        """Counts, stalls, the newest error; one save event per save (:mod:`.outcomes`)."""
+        self.slots = SlotRing(ram, slot_provider, job_id, rank, register_limit_bytes)
+        """This rank's mapped slot ring (:mod:`strata.client.slot_ring`)."""
+        self._bg = background
+        self.background = BackgroundWork(background)
         self._overlap = ThreadPoolExecutor(1, thread_name_prefix="strata-overlap")
         self._inflight: Future[bool] | None = None
-        self._streams: dict[Any, Any] = {}
-        self._hooked: dict[int, Any] = {}
-        self._prepared: tuple[int, bool] | None = None
+        self._hooks = OptimizerHooks(self.wait_copied)
         self._enc_cache = EncodeCache()
         self.copy_threads = max(1, copy_threads)
         self.copy_pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="strata-copy")
         """The copy threads (saves; restores use them too: training waits for both)."""
-        self._pending: list[Future[None]] = []
-        self._pending_lock = threading.Lock()
-        self._last_save_time: float | None = None
-        self.last_error: str | None = None
-        """The newest failure of a save or of a background checksum pass (None: none yet)."""
-        self.failed_saves = 0
-        self.saves = 0
-        self.last_stall_seconds: float | None = None
-        self.stall_seconds: list[float] = []
-        """The stall of every successful save, seconds, in order."""
-        self.last_saved_step: int | None = None
-        self._unchanged = UnchangedTracker()
         self.reuse = SlotReuse(ram, job_id, rank)
         """What each slot holds (:mod:`strata.client.reuse`); ``reuse.enabled = False`` copies
         every storage on every save."""
+        self.checksums = ChecksumPass(ram, job_id, rank, self.reuse, self.outcomes)
+        self.committer = SlotCommit(
+            ram,
+            job_id=job_id,
+            rank=rank,
+            world_size=world_size,
+            writer_id=writer_id,
+            reuse=self.reuse,
+            checksums=self.checksums,
+            copy_pool=self.copy_pool,
+            copy_threads=self.copy_threads,
+        )
+        """Manifests and commits into the RAM tier (:mod:`strata.client.slot_commit`)."""
         self.last_copied_nbytes: int | None = None
         """Bytes the newest save wrote into its RAM slot (storages left in place are not
         written: :mod:`strata.client.reuse`)."""
         self.cadence: ComponentCadence | None = None
         """Slow components (:mod:`strata.client.cadence`); set by the checkpointer."""
-        self._component_steps: dict[int, dict[str, int]] = {}
         self.overlap_wait_seconds: list[float] = []
         """Per :meth:`wait_copied` that found a copy in flight, how long it blocked, seconds."""
 
+    # -- what the saves did: ``outcomes`` (:class:`strata.client.outcomes.SaveOutcomes`) ------
+
+    @property
+    def last_error(self) -> str | None:
+        """The newest failure of a save or of a background checksum pass (None: none yet)."""
+        return self.outcomes.last_error
+
+    @property
+    def incarnation(self) -> str:
+        """Stamped into every manifest: the incarnation :meth:`Checkpointer.restore` opened
+        (``""`` before any restore: shards of no incarnation)."""
+        return self.committer.incarnation
+
+    @incarnation.setter
+    def incarnation(self, value: str) -> None:
+        self.committer.incarnation = value
+
+    @property
+    def host(self) -> HostRegistry:
+        """Page-locked host memory of the slots (:mod:`strata.client.cuda_host`)."""
+        return self.slots.host
+
+    @property
+    def _maps(self) -> RegisteredSlotMaps:
+        return self.slots.maps
+
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due for a RAM checkpoint (``ram.every``: steps and/or seconds)."""
-        return due_now(interval_policy(self.every), step, time.monotonic(), self._last_save_time)
+        return self.outcomes.should_save(step)
+
+    # -- save -----------------------------------------------------------------------------------
 
     def save(
         self,
@@ -200,7 +215,7 @@ class Saver:
             if self.cadence is not None:
                 state, slow = self.cadence.apply(step, state)
                 if slow:
-                    self._component_steps[step] = slow
+                    self.committer.component_steps[step] = slow
             deferred = not blocking
             checksum = None
             if blocking:
@@ -211,7 +226,7 @@ class Saver:
         except Exception as exc:
             if collect:
                 gc.enable()
-            self._failed(step, exc)
+            self.outcomes.failed(step, exc)
             if self.raise_on_error:
                 raise
             return False
@@ -221,43 +236,17 @@ class Saver:
                 # Started only now: the background pass holds the GIL for a while (per-tensor
                 # Python), which would otherwise slow the end of this save down (bench W3).
                 # Before the report, which must never overtake its step's checksum.
-                self._start_checksum(checksum)
+                self.checksums.start(self.background, checksum)
             if not deferred:
-                self._succeeded(step, stall)
+                self.outcomes.succeeded(step, stall)
             else:
-                self.last_stall_seconds = stall
+                self.outcomes.last_stall_seconds = stall
             if blocking:
                 self._after_save(nbytes)
         finally:
             if collect:
                 gc.enable()
         return True
-
-    def _failed(self, step: int, exc: BaseException) -> None:
-        self.failed_saves += 1
-        self.last_error = f"save of step {step} failed: {exc}"
-        log.error(
-            "strata: save of step %d failed (training continues; the previous committed "
-            "step is intact): %s",
-            step,
-            exc,
-        )
-        self.report(
-            SaveEvent(job_id=self.job_id, rank=self.rank, step=step, ok=False, error=str(exc))
-        )
-
-    def _succeeded(self, step: int, stall: float) -> None:
-        self.report(
-            SaveEvent(job_id=self.job_id, rank=self.rank, step=step, ok=True, stall_seconds=stall)
-        )
-        self.last_stall_seconds = stall
-        self.stall_seconds.append(stall)
-        self.saves += 1
-        self.last_saved_step = step
-        self._last_save_time = time.monotonic()
-
-    def _stream(self, enc: codec.EncodedState) -> Any:
-        return side_streams(enc, self._maps, self._streams)  # one per device (cuda_host)
 
     def _encode(self, state: Any, replicated: bool | Collection[str] | None) -> codec.EncodedState:
         return codec.encode(
@@ -279,144 +268,63 @@ class Saver:
 
     def _save(
         self, step: int, state: Any, replicated: bool | Collection[str] | None, t0: float
-    ) -> tuple[int, bool, _Checksum | None]:
+    ) -> tuple[int, bool, Checksum | None]:
         """Copy and commit (or, with storages left in place, copy and hand the commit to the
         background confirmation: then True); returns (data bytes, deferred, the checksum pass
-        to start: :meth:`_start_checksum`)."""
+        to start: :meth:`ChecksumPass.start`)."""
         enc = self._encode(state, replicated)
-        stream = self._stream(enc)
-        valid = self.reuse.validate()
-        lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
+        slot, stream, dst = self._take_slot(step, enc)
         deferred = False
         checksum = None
         try:
-            rec = self.reuse.take(lock.identity, valid)  # before anything writes into the slot
-            versions = _versions(enc.live)
-            # CUDA states are always copied in full: confirming needs their bytes on the host
-            skip = self.reuse.plan(rec, enc, versions) if stream is None else frozenset()
-            mm = self._mapping(lock)
-            dst = torch.frombuffer(mm, dtype=torch.uint8)
             try:
-                copy_to_host(enc, dst, self.copy_pool, stream, skip=skip).wait()
-                addr = dst.data_ptr()
+                copy_to_host(enc, dst, self.copy_pool, stream, skip=slot.skip).wait()
+                slot.addr = dst.data_ptr()
             finally:
                 del dst
-            self.last_copied_nbytes = enc.data_nbytes - sum(enc.storages[i].nbytes for i in skip)
-            if skip:
-                sigs = storage_signatures(enc.live, versions, enc.sources)  # as copied
+            self.last_copied_nbytes = slot.copied_nbytes
+            if slot.skip:
+                slot.sigs = storage_signatures(enc.live, slot.versions, enc.sources)  # as copied
                 stall = time.perf_counter() - t0
-                fut = self._bg.submit(
-                    self._confirm, step, enc, lock, versions, skip, addr, stall, sigs
-                )
-                self._inflight = fut
-                with self._pending_lock:
-                    self._pending = [f for f in self._pending if not f.done()] + [fut]  # type: ignore[list-item]
+                self._inflight = self.background.submit(self._confirm, slot, stall)
                 deferred = True
             else:
-                checksum = self._commit(step, enc, lock, versions)
+                checksum = self.committer.commit(slot)
         finally:
             if not deferred:
-                lock.release()
+                slot.lock.release()
         return enc.data_nbytes, deferred, checksum
 
-    def _mapping(self, lock: SlotWriteLock) -> Any:
-        """The mapping of exactly the inode ``lock`` holds (issue 11: the trainer never writes
-        through a mapping of a file that is no longer the slot). Raises TierError."""
-        mm = self._maps.get(lock.path)
-        if self._maps.identity(lock.path) != lock.identity:
-            self._maps.forget(lock.path)
-            mm = self._maps.get(lock.path)
-            if self._maps.identity(lock.path) != lock.identity:
-                raise TierError(
-                    f"RAM slot {lock.path} was replaced while locked; this save is skipped"
-                )
-        return mm
-
-    def _commit(
-        self, step: int, enc: codec.EncodedState, lock: SlotWriteLock, versions: list[int]
-    ) -> _Checksum:
-        """Commit the copied slot ``lock`` holds (checked to be the inode written, issue 11);
-        ``versions``: the version counters of ``enc.live`` as of the bytes copied (the
-        "unchanged since" hint, :mod:`strata.client.unchanged`). Returns the checksum pass for
-        the caller to start (:meth:`_start_checksum`)."""
-        faults.point("save.copied")
-        manifest = self._manifest(step, enc)
-        self.ram.commit_slot(
-            self.job_id, step, self.rank, lock.path, manifest, expect=lock.identity
-        )
-        snap = Snapshot(list(enc.live), versions, list(enc.sources))
-        return (step, manifest.created.isoformat(), snap, lock.identity, enc.storages)
-
-    def _start_checksum(self, checksum: _Checksum) -> None:
-        """Submit a committed step's background checksum pass (see :meth:`wait`); never raises
-        (the step then stays committed without checksums, as when its writer dies)."""
+    def _take_slot(
+        self, step: int, enc: codec.EncodedState
+    ) -> tuple[CopiedSlot, Any, torch.Tensor]:
+        """Write-lock a slot for ``enc`` and plan the copy: (the slot to copy ``step`` into,
+        with the live tensors' version counters and the storages left in place; the side
+        stream or None; a uint8 tensor over the slot's mapping). Releases the lock on error."""
+        stream = self.slots.stream(enc)
+        valid = self.reuse.validate()
+        lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
         try:
-            fut = self._bg.submit(self._checksum, *checksum)
-        except RuntimeError as exc:  # the background executor was shut down
-            self.last_error = f"checksum of step {checksum[0]} not started: {exc}"
-            log.error("strata: checksum pass of step %d not started: %s", checksum[0], exc)
-            return
-        with self._pending_lock:
-            self._pending = [f for f in self._pending if not f.done()] + [fut]
+            rec = self.reuse.take(lock.identity, valid)  # before anything writes into the slot
+            live_versions = versions(enc.live)
+            # CUDA states are always copied in full: confirming needs their bytes on the host
+            skip = self.reuse.plan(rec, enc, live_versions) if stream is None else frozenset()
+            dst = torch.frombuffer(self.slots.mapping(lock), dtype=torch.uint8)
+        except BaseException:
+            lock.release()
+            raise
+        return CopiedSlot(step, enc, lock, live_versions, skip), stream, dst
 
-    def _manifest(self, step: int, enc: codec.EncodedState) -> Manifest:
-        manifest = enc.manifest(
-            job_id=self.job_id,
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            writer_id=self.writer_id,
-            chunk_size=self.chunk_size,
-        ).model_copy(update={"incarnation": self.incarnation})
-        slow = self._component_steps.pop(step, None)
-        if slow:
-            manifest = manifest.model_copy(update={"component_steps": slow})
-        return manifest
-
-    def _confirm(
-        self,
-        step: int,
-        enc: codec.EncodedState,
-        lock: SlotWriteLock,
-        versions: list[int],
-        skip: frozenset[int],
-        addr: int,
-        stall: float,
-        sigs: list[Signature | None] | None = None,
-    ) -> bool:
-        """Background: commit a save that left ``skip`` in place once the slot's bytes are
-        confirmed to be the live ones (:func:`strata.client.reuse.confirm`); releases ``lock``.
-        A mismatch makes the step a failed save and turns skipping off for those storages.
-        ``sigs``: as read by ``save()`` (read here, a storage reallocated since looked unmoved)."""
+    def _confirm(self, slot: CopiedSlot, stall: float) -> bool:
+        """Background: :meth:`SlotCommit.confirm_and_commit`, recorded as the save's outcome."""
         try:
-            try:
-                if sigs is None:
-                    sigs = storage_signatures(enc.live, versions, enc.sources)
-                snap = Snapshot(list(enc.live), versions, list(enc.sources))
-                unchanged = self._unchanged.since(step, snap, sigs)
-                faults.point("save.confirm")
-                res = self.reuse.confirmed(
-                    step, enc, addr, skip, sigs, self.chunk_size, self.copy_pool, self.copy_threads
-                )
-                manifest = self._manifest(step, enc).model_copy(
-                    update={
-                        "chunk_crc32c": res.chunk_crc32c,
-                        "crc32c": res.crc32c,
-                        "unchanged_since": unchanged,
-                    }
-                )
-                self.ram.commit_slot(
-                    self.job_id, step, self.rank, lock.path, manifest, expect=lock.identity
-                )
-                self.reuse.remember(lock.identity, step, enc.storages, sigs, enc.sources)
-            finally:
-                lock.release()
+            self.committer.confirm_and_commit(slot)
         except Exception as exc:
-            self._failed(step, exc)
+            self.outcomes.failed(slot.step, exc)
             if self.raise_on_error:
                 raise
             return False
-        self._succeeded(step, stall)
+        self.outcomes.succeeded(slot.step, stall)
         return True
 
     # -- overlapped mode ----------------------------------------------------------------------
@@ -425,91 +333,59 @@ class Saver:
         self, step: int, state: Any, t0: float, replicated: bool | Collection[str] | None
     ) -> None:
         enc = self._encode(state, replicated)
-        versions = _versions(enc.live)
-        stream = self._stream(enc)
-        valid = self.reuse.validate()
-        lock = SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, enc.data_nbytes)
+        slot, stream, dst = self._take_slot(step, enc)
         try:
-            rec = self.reuse.take(lock.identity, valid)  # before anything writes into the slot
-            skip = self.reuse.plan(rec, enc, versions) if stream is None else frozenset()
-            sigs = storage_signatures(enc.live, versions, enc.sources) if skip else None
-            self.last_copied_nbytes = enc.data_nbytes - sum(enc.storages[i].nbytes for i in skip)
-            mm = self._mapping(lock)
-            dst = torch.frombuffer(mm, dtype=torch.uint8)
+            if slot.skip:
+                slot.sigs = storage_signatures(enc.live, slot.versions, enc.sources)
+            self.last_copied_nbytes = slot.copied_nbytes
             handle = copy_to_host(
                 enc,
                 dst,
                 self.copy_pool,
                 stream,
                 background=self._overlap,
-                skip=skip,
-                pinned=self._maps.is_registered(lock.path),
+                skip=slot.skip,
+                pinned=self.slots.is_registered(slot.lock.path),
             )
         except BaseException:
-            lock.release()
+            slot.lock.release()
             raise
-        self._hook_optimizers(state)
+        self._hooks.hook(state)
         stall = time.perf_counter() - t0
-        self._inflight = self._overlap.submit(
-            self._complete, step, enc, versions, lock, handle, dst, stall, skip, sigs
-        )
+        self._inflight = self._overlap.submit(self._complete, slot, handle, dst, stall)
 
     def _complete(
-        self,
-        step: int,
-        enc: codec.EncodedState,
-        versions: list[int],
-        lock: SlotWriteLock,
-        handle: CopyHandle,
-        dst: torch.Tensor,
-        stall: float,
-        skip: frozenset[int] = frozenset(),
-        sigs: list[Signature | None] | None = None,
+        self, slot: CopiedSlot, handle: CopyHandle, dst: torch.Tensor, stall: float
     ) -> bool:
         confirming: Future[bool] | None = None
         try:
             try:
                 handle.wait()
-                addr = dst.data_ptr()
+                slot.addr = dst.data_ptr()
                 del dst
-                now = _versions(enc.live)
-                changed = [
-                    i
-                    for i, (n, v) in enumerate(zip(now, versions, strict=True))
-                    if v >= 0 and n != v
-                ]
-                if changed:
-                    raise StateChanged(
-                        f"{len(changed)} tensor(s) of the state changed in place while an "
-                        f"overlapped save of step {step} was copying them, so that step is not "
-                        "committed; call wait_copied() (or let optimizer.step() do it) before "
-                        "changing the state"
-                    )
-                if skip:  # committed by the confirmation, on the background thread (in order)
-                    confirming = self._bg.submit(
-                        self._confirm, step, enc, lock, versions, skip, addr, stall, sigs
-                    )
+                check_unchanged(slot.enc.live, slot.versions, slot.step)
+                if slot.skip:  # committed by the confirmation, on the background thread (in order)
+                    confirming = self._bg.submit(self._confirm, slot, stall)
                 else:
-                    checksum = self._commit(step, enc, lock, versions)
+                    checksum = self.committer.commit(slot)
             finally:
                 if confirming is None:
-                    lock.release()
+                    slot.lock.release()
             if confirming is None:
-                self._start_checksum(checksum)
+                self.checksums.start(self.background, checksum)
         except Exception as exc:
-            self._failed(step, exc)
+            self.outcomes.failed(slot.step, exc)
             if self.raise_on_error:
                 raise
             return False
         if confirming is not None:
-            with self._pending_lock:
-                self._pending = [f for f in self._pending if not f.done()] + [confirming]  # type: ignore[list-item]
+            self.background.track(confirming)
             ok = confirming.result()  # _confirm records its own outcome
             if ok:
-                self._after_save(enc.data_nbytes)
+                self._after_save(slot.enc.data_nbytes)
             return ok
-        self._succeeded(step, stall)
-        self._after_save(enc.data_nbytes)
+        self.outcomes.succeeded(slot.step, stall)
+        self._after_save(slot.enc.data_nbytes)
         return True
 
     def wait_copied(self, timeout: float | None = None) -> bool | None:
@@ -529,71 +405,20 @@ class Saver:
             self.overlap_wait_seconds.append(time.perf_counter() - t0)
         return ok
 
-    def _hook_optimizers(self, state: Any) -> None:
-        for opt in _optimizers(state):
-            if id(opt) not in self._hooked:
-                self._hooked[id(opt)] = opt.register_step_pre_hook(self._before_optimizer_step)
-
-    def _before_optimizer_step(self, *_args: Any, **_kw: Any) -> None:
-        self.wait_copied()
-
-    # -- slots before the first save ----------------------------------------------------------
+    # -- slots (:class:`strata.client.slot_ring.SlotRing`) ------------------------------------
 
     def prepare(self, nbytes: int, cuda: bool = False) -> int:
-        """Allocate the slot ring for states of ``nbytes`` bytes and map (pre-fault) every slot
-        that holds them, registering them with CUDA when ``cuda``; the number of slots mapped.
-
-        Taking a slot may un-commit the oldest RAM step beyond ``ram.keep``, as the next save
-        would. Raises what slot allocation raises (:class:`strata.errors.TierFull`, ...).
-        """
-        if nbytes <= 0:
-            return 0
-        if cuda:
-            self._maps.register = True
-        if len(self._slots_for(nbytes)) < self.ram.keep + 1:
-            # The provider allocates the whole ring on first use. Only then: taking a slot
-            # lock here while a save looks for one would make that save skip the slot.
-            with SlotWriteLock.acquire(self.slot_provider, self.job_id, self.rank, nbytes):
-                pass
-        mapped = 0
-        for path in self._slots_for(nbytes):
-            self._maps.get(path)
-            mapped += 1
-        self._prepared = (nbytes, cuda)
-        return mapped
-
-    def _slots_for(self, nbytes: int) -> list[Path]:
-        try:
-            entries = list(os.scandir(slots_dir(self.ram.root, self.job_id, self.rank)))
-        except FileNotFoundError:
-            return []
-        return sorted(
-            Path(e.path)
-            for e in entries
-            if layout.parse_slot(e.name) is not None and e.stat().st_size >= nbytes
-        )
+        """:meth:`SlotRing.prepare`: allocate and map the ring for states of ``nbytes`` bytes;
+        the number of slots mapped. Raises what slot allocation raises."""
+        return self.slots.prepare(nbytes, cuda)
 
     def host_view(self, data_path: Path) -> torch.Tensor | None:
-        """A 1-D uint8 CPU tensor over this rank's RAM slot that is ``data_path`` (a committed
-        shard's data file: the same inode), mapped and registered with CUDA, so that a restore
-        copies host-to-device from page-locked memory; the registration stays for the next
-        saves into that slot. None when ``data_path`` is no slot of this rank or registration
-        is unavailable (see :mod:`strata.client.cuda_host`)."""
-        ino = os.stat(data_path).st_ino
-        for slot in self._slots_for(0):
-            if os.stat(slot).st_ino == ino:
-                self._maps.register = True
-                mm = self._maps.get(slot)
-                if not self._maps.is_registered(slot):
-                    return None
-                return torch.frombuffer(mm, dtype=torch.uint8)
-        return None
+        """:meth:`SlotRing.host_view` (a page-locked view of the slot that is ``data_path``)."""
+        return self.slots.host_view(data_path)
 
     def mapping_of(self, data_path: Path) -> mmap.mmap | None:
-        """This process's populated mapping of the RAM slot that is ``data_path`` (the same
-        inode), if it already maps one (never maps here): a restore reads it without a page
-        fault. None otherwise."""
-        return self._maps.mapping_of(path_identity(data_path))
+        """:meth:`SlotRing.mapping_of` (this process's mapping of the slot ``data_path``)."""
+        return self.slots.mapping_of(data_path)
 
     def prepare_in_background(self, nbytes: int, cuda: bool = False) -> Future[int]:
         """:meth:`prepare` on the background thread; failures are logged, never raised."""
@@ -605,47 +430,21 @@ class Saver:
                 log.warning("strata: preparing RAM slots of %d bytes failed: %s", nbytes, exc)
                 return 0
 
-        fut = self._bg.submit(run)
-        with self._pending_lock:
-            self._pending = [f for f in self._pending if not f.done()] + [fut]  # type: ignore[list-item]
-        return fut
+        return self.background.submit(run)
 
     def _after_save(self, nbytes: int) -> None:
         # After the first save (or a larger state): map the rest of the ring off the training
         # thread, so the next save into another slot takes no first-touch page faults.
-        cuda = self._maps.register
-        if self._prepared is None or self._prepared[0] < nbytes or self._prepared[1] != cuda:
-            self._prepared = (nbytes, cuda)
-            self.prepare_in_background(nbytes, cuda)
+        due = self.slots.needs_prepare(nbytes)
+        if due is not None:
+            self.prepare_in_background(*due)
 
-    def _checksum(
-        self,
-        step: int,
-        created: str,
-        snap: Snapshot,
-        slot: Identity,
-        storages: list[StorageEntry],
-    ) -> None:
-        try:
-            # The hint is tracked even when the shard is gone: the next save compares with it.
-            sigs = storage_signatures(snap.live, snap.versions, snap.sources)
-            unchanged = self._unchanged.since(step, snap, sigs)
-            with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
-                m = lease.manifest
-                if m is None or m.verified or m.created.isoformat() != created:
-                    return
-                if self.ram.seal(lease, unchanged) is not None:
-                    self.reuse.remember(slot, step, storages, sigs, snap.sources)
-        except ShardUnavailable as exc:
-            log.info("strata: step %d left the RAM tier before its checksum pass: %s", step, exc)
-        except Exception as exc:
-            self.last_error = f"checksum of step {step} failed: {exc}"
-            log.error("strata: checksum pass of step %d failed: %s", step, exc)
+    # -- life cycle -----------------------------------------------------------------------------
 
     def forget_unchanged(self) -> None:
         """Start the "unchanged since" hint (and the slow components' held copies) afresh,
         after a restore wrote the live tensors."""
-        self._unchanged = UnchangedTracker()
+        self.checksums.forget()
         self.reuse.forget()
         if self.cadence is not None:
             self.cadence.forget()
@@ -654,10 +453,7 @@ class Saver:
         """Wait until the save in flight (if any, :meth:`wait_copied`) and every background
         checksum pass submitted so far have finished."""
         self.wait_copied(timeout)  # its commit may still submit work to the background thread
-        with self._pending_lock:
-            pending = list(self._pending)
-        for fut in pending:
-            fut.result(timeout=timeout)
+        self.background.wait(timeout)
 
     def close(self) -> None:
         """Finish an overlapped save in flight, stop the copy threads, unregister and unmap the
@@ -665,45 +461,7 @@ class Saver:
         try:
             self.wait_copied()
         finally:
-            for handle in self._hooked.values():
-                handle.remove()
-            self._hooked.clear()
+            self._hooks.remove()
             self._overlap.shutdown(wait=True)
             self.copy_pool.shutdown(wait=True)
-            self._maps.close()
-            self.host.close()
-
-
-_Checksum = tuple[int, str, Snapshot, Identity, list[StorageEntry]]
-"""The arguments of :meth:`Saver._checksum`: a committed step's checksum pass to start."""
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return int(t._version)
-    except RuntimeError:  # inference-mode tensors have no version counter
-        return -1
-
-
-def _versions(tensors: list[torch.Tensor]) -> list[int]:
-    """``_version`` of each tensor (-1 where it has none): one comprehension, the per-tensor
-    function call only when some tensor has no counter (bench W3: 10,000 tensors)."""
-    try:
-        return [t._version for t in tensors]
-    except RuntimeError:  # an inference-mode tensor
-        return [_version(t) for t in tensors]
-
-
-def _optimizers(state: Any, depth: int = 0) -> list[torch.optim.Optimizer]:
-    """Optimizers in the state tree (dicts, lists, tuples; a few levels deep)."""
-    if isinstance(state, torch.optim.Optimizer):
-        return [state]
-    if depth > 3 or isinstance(state, torch.Tensor):
-        return []
-    if isinstance(state, dict):
-        values: Any = state.values()
-    elif isinstance(state, (list, tuple)):
-        values = state
-    else:
-        return []
-    return [o for v in values for o in _optimizers(v, depth + 1)]
+            self.slots.close()

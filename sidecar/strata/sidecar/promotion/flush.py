@@ -1,18 +1,20 @@
 """The SIGTERM flush (C-14): before the pod dies, promote the newest committed RAM step to the
 fastest durable tier, within a deadline, unless a durable tier already holds it or a newer one.
+
+:func:`flush` sees the engine only through :class:`FlushTarget` (the
+:class:`~strata.sidecar.promotion.round.PromotionEngine` is one): stop interval promotion, the
+target tier and its lock, the clock, what RAM and the durable tiers hold, and one forced
+promotion attempt. It retries a failed attempt with a doubling wait until the deadline.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from strata.config import TierName
-from strata.sidecar.promotion.events import RoundResult
-
-if TYPE_CHECKING:
-    from strata.sidecar.promotion.round import PromotionEngine
 
 FIRST_RETRY_SECONDS = 0.2
 """Wait after the first failed attempt; doubled after each, up to :data:`MAX_RETRY_SECONDS`."""
@@ -34,23 +36,66 @@ class FlushResult:
     """Bytes of the shards this flush promoted (0: nothing promoted)."""
 
 
-def flush(engine: PromotionEngine, deadline: float) -> FlushResult:
+@dataclass(frozen=True)
+class FlushView:
+    """What a flush finds (:meth:`FlushTarget.flush_view`)."""
+
+    ranks: set[int]
+    """The local ranks of the current incarnation."""
+    ram_step: int | None
+    """Their newest step committed in RAM (None: none)."""
+    durable_step: int | None
+    """The newest step on a durable tier (None: none)."""
+
+
+@dataclass(frozen=True)
+class FlushAttempt:
+    """One forced promotion (:meth:`FlushTarget.force_promote`)."""
+
+    promoted: bool
+    nbytes: int = 0
+    """Bytes of the shards promoted."""
+    failures: list[str] | None = None
+    """Why it failed, where the tier said (None: the RAM step was not promotable yet)."""
+
+
+class FlushTarget(Protocol):
+    """What :func:`flush` needs of the promotion engine."""
+
+    def stop_interval_promotion(self) -> None:
+        """From now on only forced attempts promote."""
+
+    def fastest_durable(self) -> TierName | None:
+        """The tier to flush to (None: no durable tier)."""
+
+    def tier_lock(self, name: TierName) -> threading.Lock:
+        """The lock serialising work on tier ``name``."""
+
+    def now(self) -> float:
+        """The clock the deadline is on (seconds)."""
+
+    def flush_view(self, tier: TierName) -> FlushView:
+        """Under ``tier``'s lock: the local ranks, their newest RAM step, the newest durable."""
+
+    def force_promote(self, tier: TierName, step: int, ranks: set[int]) -> FlushAttempt:
+        """Under ``tier``'s lock: promote ``step`` of ``ranks`` now (backoff ignored, RAM
+        shards without checksums checksummed). Never raises."""
+
+
+def flush(target: FlushTarget, deadline: float) -> FlushResult:
     """See :meth:`PromotionEngine.flush`."""
-    engine.stop_interval_promotion()
-    tier = engine.fastest_durable()
+    target.stop_interval_promotion()
+    tier = target.fastest_durable()
     if tier is None:
         return FlushResult(None, None, None, ok=True, message="no durable tier configured")
-    lock = engine.tier_lock(tier)
-    if not lock.acquire(timeout=max(0.0, deadline - engine._clock())):
+    lock = target.tier_lock(tier)
+    if not lock.acquire(timeout=max(0.0, deadline - target.now())):
         return FlushResult(
             tier, None, None, ok=False, message=f"deadline passed waiting for the {tier} tier"
         )
     try:
-        listing = engine.ram_steps()
-        ranks = engine.local_ranks(listing)
-        engine.init_tier(tier, ranks)
-        step = max(engine.ram_steps_of(ranks, listing), default=None)
-        durable_step = engine.newest_durable_step(tier, ranks)
+        view = target.flush_view(tier)
+        step, durable_step = view.ram_step, view.durable_step
         if step is None:
             return FlushResult(
                 tier, None, durable_step, ok=True, message="RAM holds no committed step"
@@ -63,19 +108,14 @@ def flush(engine: PromotionEngine, deadline: float) -> FlushResult:
         delay = FIRST_RETRY_SECONDS
         while True:
             # Shards that failed earlier may succeed now: the flush ignores their backoff.
-            for rank in ranks:
-                engine.copier.reset(tier, step, rank)
-            manifests = engine.ram_manifests(step, ranks, seal=True)
-            if manifests is not None:
-                result = RoundResult(ram_step=step)
-                engine.promote_if_due(tier, step, manifests, True, result)
-                if result.promoted.get(tier) == step:
-                    nbytes = sum(m.data_nbytes for m in manifests.values())
-                    return FlushResult(
-                        tier, step, durable_step, ok=True, message="promoted", nbytes=nbytes
-                    )
-                failures = result.failed.get(tier, failures)
-            remaining = deadline - engine._clock()
+            attempt = target.force_promote(tier, step, view.ranks)
+            if attempt.promoted:
+                return FlushResult(
+                    tier, step, durable_step, ok=True, message="promoted", nbytes=attempt.nbytes
+                )
+            if attempt.failures is not None:
+                failures = attempt.failures
+            remaining = deadline - target.now()
             if remaining <= FIRST_RETRY_SECONDS:
                 return FlushResult(tier, step, durable_step, ok=False, message="; ".join(failures))
             time.sleep(min(delay, remaining - FIRST_RETRY_SECONDS))

@@ -1,9 +1,15 @@
 """The promotion round: RAM -> PVC -> GCS for the ranks a sidecar serves (:class:`PromotionEngine`).
 
-The engine composes the package's parts: :class:`~strata.sidecar.promotion.copy.ShardCopier`
-(one shard, verified, with retries), :class:`~strata.sidecar.promotion.retention.Retention`,
-:func:`~strata.sidecar.promotion.pruning.prune_ram` (start-up) and
-:func:`~strata.sidecar.promotion.flush.flush` (SIGTERM).
+The engine composes the package's parts, each taking only what it needs:
+:class:`~strata.sidecar.promotion.ram_source.RamSource` (the local ranks, their RAM steps and
+checksummed manifests), :class:`~strata.sidecar.promotion.tier_views.TierViews` (each durable
+tier's live committed steps), :class:`~strata.sidecar.promotion.copy.ShardCopier` (one shard,
+verified, with retries), :class:`~strata.sidecar.promotion.committer.CommitDuty` (the global
+commit record), :class:`~strata.sidecar.promotion.retention.Retention`,
+:class:`~strata.sidecar.promotion.capacity.CapacityWatch` (a tier too small for keep + 1
+steps), :func:`~strata.sidecar.promotion.pruning.prune_ram` (start-up) and
+:func:`~strata.sidecar.promotion.flush.flush` (SIGTERM; it sees the engine only as a
+:class:`~strata.sidecar.promotion.flush.FlushTarget`).
 
 What it does each round (:meth:`PromotionEngine.promote_once`), for the *local ranks* (the ranks
 whose RAM data this sidecar sees, plus those declared through the local API):
@@ -38,7 +44,6 @@ an event is set. Events (promotions, failures, deletions) go to ``on_event`` for
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -46,21 +51,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 from strata import faults
 from strata.config import StrataConfig, TierName
-from strata.errors import CommitError, ShardCorrupt, ShardUnavailable, TierError
+from strata.errors import CommitError, TierError
 from strata.format.manifest import Manifest
+from strata.sidecar.promotion.capacity import CapacityWatch
 from strata.sidecar.promotion.committer import CommitDuty
 from strata.sidecar.promotion.copy import ShardCopier
 from strata.sidecar.promotion.events import PromotionEvent, RoundResult
-from strata.sidecar.promotion.flush import FlushResult, flush
+from strata.sidecar.promotion.flush import FlushAttempt, FlushResult, FlushView, flush
 from strata.sidecar.promotion.policies import TierPolicy, tier_policies
-from strata.sidecar.promotion.progress import TierProgress, choose_step
+from strata.sidecar.promotion.progress import choose_step
 from strata.sidecar.promotion.pruning import prune_ram
+from strata.sidecar.promotion.ram_source import RamSource
 from strata.sidecar.promotion.retention import Retention
-from strata.sidecar.promotion.world import RamWorld, World
+from strata.sidecar.promotion.tier_views import TierViews
+from strata.sidecar.promotion.world import World
 from strata.tiers.base import StepListing, Tier
 from strata.tiers.ram import RamTier
-from strata.tiers.records import committed_steps, lineage
-from strata.tiers.slots import SlotLease
 
 log = logging.getLogger("strata.promotion")
 
@@ -108,27 +114,15 @@ class PromotionEngine:
         if missing:
             raise ValueError(f"no promotion policy for tier(s) {missing}")
         self.writer_id = config.pod_writer_id
-        self._declared: set[int] = set(local_ranks)
         self._on_event = on_event
         self.max_workers = max(1, max_workers)
-        self.lease_timeout = lease_timeout
-        self.max_attempts = max_attempts
-        self.backoff_seconds = backoff_seconds
-        self.seal_after_seconds = seal_after_seconds
         self.maintenance_seconds = maintenance_seconds
         self._clock = clock
         self._wall = wall_clock
-        self._progress: dict[TierName, TierProgress] = {t: TierProgress() for t in self.durable}
-        self.ram_world = RamWorld(ram, self.job_id)
-        self.world = World(None, None, frozenset())
-        """The newest snapshot of the current incarnation (:meth:`local_ranks` takes it)."""
-        self._unverified_since: dict[tuple[int, int], float] = {}
         self._tier_locks: dict[TierName, threading.Lock] = {
             t: threading.Lock() for t in self.durable
         }
         self._stopping = threading.Event()
-        self.too_small: dict[TierName, str] = {}
-        """Tier -> why it cannot take keep + 1 steps (see :meth:`_check_capacity`)."""
         self._started = clock()
         self.copier = ShardCopier(
             self.job_id,
@@ -139,158 +133,56 @@ class PromotionEngine:
             lease_timeout=lease_timeout,
             max_attempts=max_attempts,
             backoff_seconds=backoff_seconds,
-            incremental_tiers={
-                name: bool(getattr(getattr(config, name), "incremental", True))
-                for name in self.durable
-            },
+            incremental_tiers={name: _incremental(config, name) for name in self.durable},
             components=config.archive_tiers(),
         )
+        self.source = RamSource(
+            ram,
+            self.job_id,
+            local_ranks=local_ranks,
+            quarantine=self.copier.quarantine,
+            emit=self._emit,
+            clock=clock,
+            seal_after_seconds=seal_after_seconds,
+            lease_timeout=lease_timeout,
+        )
+        """The RAM side: local ranks, their steps and manifests (:mod:`.ram_source`)."""
+        self.views = TierViews(self.job_id, self.durable, lambda: self.source.world, self._emit)
+        """Each durable tier's live committed steps (:mod:`.tier_views`)."""
+        self._progress = self.views.progress
+        self.capacity = CapacityWatch(self.job_id, self.durable, self.policies, self._emit)
         self.retention = Retention(
             self.job_id, grace_seconds=config.gc_grace_seconds, wrote=self.wrote, emit=self._emit
         )
         self.commits = CommitDuty(clock)
         """Designated commit writer per step, with takeover (:mod:`.committer`)."""
 
-    # -- ranks and RAM state ----------------------------------------------------------------------
+    # -- ranks and RAM state (:class:`RamSource`) -------------------------------------------------
+
+    @property
+    def world(self) -> World:
+        """The newest snapshot of the current incarnation (:meth:`local_ranks` takes it)."""
+        return self.source.world
+
+    @property
+    def too_small(self) -> dict[TierName, str]:
+        """Tier -> why it cannot take keep + 1 steps (:class:`CapacityWatch`)."""
+        return self.capacity.too_small
 
     def add_ranks(self, ranks: Iterable[int]) -> None:
         """Declare ranks served by this sidecar (the local API does this when a rank asks for slots)."""
-        self._declared.update(ranks)
+        self.source.add_ranks(ranks)
 
     def local_ranks(self, ram_steps: dict[int, StepListing] | None = None) -> set[int]:
-        """Local ranks of the current incarnation (:mod:`strata.sidecar.promotion.world`):
-        declared ranks and ranks holding its RAM shards, below its world size; leftover slot
-        directories only count while nothing is saved on this node (``ram_steps``: a listing
-        of the RAM tier already taken, to avoid a second one)."""
-        listing = self.ram_steps() if ram_steps is None else ram_steps
-        self.world = self.ram_world.snapshot(listing, self._declared)
-        return set(self.world.ranks)
-
-    def ram_steps(self) -> dict[int, StepListing]:
-        return self.ram.list_steps(self.job_id)
+        """Local ranks of the current incarnation (:meth:`RamSource.local_ranks`)."""
+        return self.source.local_ranks(ram_steps)
 
     def newest_ram_step(self, ranks: set[int] | None = None) -> int | None:
         """Newest step committed in RAM for every rank of ``ranks`` (default: local ranks)."""
-        return max(self.ram_steps_of(ranks), default=None)
-
-    def ram_steps_of(
-        self, ranks: set[int] | None = None, ram_steps: dict[int, StepListing] | None = None
-    ) -> list[int]:
-        """Steps committed in RAM for every rank of ``ranks`` (default: local ranks)."""
-        listing = self.ram_steps() if ram_steps is None else ram_steps
-        ranks = self.local_ranks(listing) if ranks is None else ranks
-        if not ranks:
-            return []
-        return self.world.steps(ranks)
-
-    def ram_manifests(self, step: int, ranks: set[int], seal: bool) -> dict[int, Manifest] | None:
-        """Checksummed RAM manifests of ``step`` for ``ranks``; None when some are not yet.
-
-        ``seal``: checksum unverified shards now (SIGTERM flush, or a writer that stopped
-        before its checksum pass for longer than ``seal_after_seconds``).
-        """
-        out: dict[int, Manifest] = {}
-        for rank in sorted(ranks):
-            try:
-                m = self.ram.get_manifest(self.job_id, step, rank)
-            except ShardCorrupt as exc:
-                self.copier.quarantine(self.ram, step, rank, str(exc))
-                return None
-            except ShardUnavailable:
-                return None
-            if not m.verified:
-                first = self._unverified_since.setdefault((step, rank), self._clock())
-                if not (seal or self._clock() - first >= self.seal_after_seconds):
-                    return None
-                sealed = self._seal(step, rank)
-                if sealed is None:
-                    return None
-                m = sealed
-            out[rank] = m
-        return out
-
-    def _seal(self, step: int, rank: int) -> Manifest | None:
-        """Checksum a committed RAM shard whose writer did not, and record the checksums."""
-        try:
-            with SlotLease(self.ram, self.job_id, step, rank, timeout=self.lease_timeout) as lease:
-                m = lease.manifest
-                assert m is not None
-                if m.verified:
-                    return m
-                sealed = self.ram.seal(lease)
-        except (ShardUnavailable, ValueError, OSError) as exc:
-            log.warning("cannot checksum RAM shard rank %d step %d: %s", rank, step, exc)
-            return None
-        self._emit(PromotionEvent("sealed", "ram", step, (rank,), message="checksummed by sidecar"))
-        if sealed is not None:
-            return sealed
-        try:  # its writer checksummed it meanwhile
-            return self.ram.get_manifest(self.job_id, step, rank)
-        except ShardUnavailable:
-            return None
-
-    # -- tier progress ----------------------------------------------------------------------------
-
-    def init_tier(self, name: TierName, ranks: set[int]) -> bool:
-        """Start a durable tier's interval from its newest live committed step (once the ranks
-        are known, and again whenever the current incarnation changes); False while the tier
-        cannot be read."""
-        progress = self._progress[name]
-        if progress.initialised and progress.incarnation == self.world.incarnation:
-            return True
-        if not ranks:
-            return False
-        if not self.refresh_tier(name):
-            return False
-        progress.initialised = True
-        return True
-
-    def refresh_tier(self, name: TierName) -> bool:
-        """Re-read the tier's commit records and incarnation records: its live committed steps
-        of the current incarnation's lineage (:class:`TierProgress`). False when it cannot be
-        read (the previous view stays)."""
-        tier = self.durable[name]
-        progress = self._progress[name]
-        try:
-            lin = lineage(
-                [tier], self.job_id, current=self.world.incarnation, extra=self.world.records
-            )
-            commits = committed_steps(tier, self.job_id)
-        except TierError as exc:
-            log.warning("cannot read the %s tier's commits yet: %s", name, exc)
-            return False
-        progress.incarnation = self.world.incarnation
-        progress.lineage = lin
-        newest = max(lin.records, default=None)
-        current = self.world.incarnation
-        was = progress.behind
-        progress.behind = (
-            newest if current is not None and newest is not None and newest > current else None
-        )
-        if progress.behind is not None and progress.behind != was:
-            log.warning(
-                "the %s tier names incarnation %s, newer than this node's %s: not promoting "
-                "there until this node's trainer restores",
-                name,
-                newest,
-                current,
-                extra={"event": "incarnation_behind", "tier": name},
-            )
-        live = {s: c for s, c in commits.items() if lin.live(c.incarnation, s)}
-        for s, c in commits.items():
-            if s not in live:
-                log.debug("%s: %s", name, lin.why_dead(c.incarnation, s))
-        progress.set_committed(live)
-        return True
-
-    def _newest_local_step(self, tier: Tier, ranks: set[int]) -> int | None:
-        name = tier.name
-        if name in self._progress and self.refresh_tier(name):
-            return self._progress[name].last_step
-        return None
+        return max(self.source.steps_of(ranks), default=None)
 
     def last_promoted(self) -> dict[TierName, int | None]:
-        return {name: p.last_step for name, p in self._progress.items()}
+        return self.views.last_promoted()
 
     # -- the round --------------------------------------------------------------------------------
 
@@ -306,11 +198,11 @@ class PromotionEngine:
         """
         faults.point("promotion.round")
         result = RoundResult()
-        listing = self.ram_steps()  # one listing of the RAM tier per round
-        ranks = self.local_ranks(listing)  # and one snapshot of the current incarnation
-        ram_steps = self.ram_steps_of(ranks, listing)
+        listing = self.source.listing()  # one listing of the RAM tier per round
+        ranks = self.source.local_ranks(listing)  # and one snapshot of the current incarnation
+        ram_steps = self.source.steps_of(ranks, listing)
         step = max(ram_steps, default=None)
-        manifests = self.ram_manifests(step, ranks, seal) if step is not None else None
+        manifests = self.source.manifests(step, ranks, seal) if step is not None else None
         if step is not None and manifests is not None:
             result.ram_step = step
         self._forget_older_than(step, min(ram_steps, default=None))
@@ -320,8 +212,8 @@ class PromotionEngine:
             if self._stopping.is_set() and force_tier is None:
                 break
             with self._tier_locks[name]:
-                # Behind: re-read once this node's current incarnation changes (init_tier).
-                if not self.init_tier(name, ranks) or self._progress[name].behind:
+                # Behind: re-read once this node's current incarnation changes (views.init).
+                if not self.views.init(name, ranks) or self._progress[name].behind:
                     continue
                 force = force_tier == name
                 # The tier's own committed steps and its interval pick which RAM step (see
@@ -342,10 +234,10 @@ class PromotionEngine:
                 tier_manifests = manifests
                 if tier_step != step:
                     tier_manifests = (
-                        None if tier_step is None else self.ram_manifests(tier_step, ranks, seal)
+                        None if tier_step is None else self.source.manifests(tier_step, ranks, seal)
                     )
                 if tier_step is not None and tier_manifests is not None:
-                    self.promote_if_due(name, tier_step, tier_manifests, force, result)
+                    self._promote_if_due(name, tier_step, tier_manifests, force, result)
                 if force_tier is None:
                     self._maintain_if_due(name, ranks, result)
         return result
@@ -355,11 +247,10 @@ class PromotionEngine:
         attempts only of steps that left RAM (a given-up step still there stays given up)."""
         if step is None:
             return
-        for key in [k for k in self._unverified_since if k[0] < step]:
-            self._unverified_since.pop(key, None)
+        self.source.forget_older_than(step)
         self.copier.forget_older_than(step if oldest is None else oldest)
 
-    def promote_if_due(
+    def _promote_if_due(
         self,
         name: TierName,
         step: int,
@@ -432,14 +323,14 @@ class PromotionEngine:
             )
             if deleted:
                 result.deleted[name] = deleted
-                self.refresh_tier(name)
+                self.views.refresh(name)
 
     def _commit_finished(self, name: TierName, result: RoundResult) -> None:
         """Commit steps newer than the tier's newest commit whose record is missing: steps
         this sidecar placed shards of (their designated writer may have died: takeover) and
         steps it is the designated writer of (its RAM may have lost them). One listing of the
         step names, never of the shards (:mod:`strata.sidecar.promotion.committer`)."""
-        if not self.refresh_tier(name):
+        if not self.views.refresh(name):
             return
         p = self._progress[name]
         try:
@@ -461,7 +352,7 @@ class PromotionEngine:
         step) is removed first: it can never be restored, and GCS never overwrites an object."""
         started = self._clock()
         ranks = sorted(manifests)
-        self._drop_superseded(name, step, ranks)
+        self.views.drop_superseded(name, step, ranks)
         with ThreadPoolExecutor(
             max_workers=min(self.max_workers, len(ranks)), thread_name_prefix=f"strata-{name}"
         ) as pool:
@@ -471,12 +362,10 @@ class PromotionEngine:
         failures = [msg for ok, _n, msg in outcomes if not ok]
         if failures:
             if self.copier.full.get(name) == step:
-                self._check_capacity(name, step, manifests)
+                self.capacity.check(name, step, manifests)
             return failures
         self.copier.full.pop(name, None)
-        if self.too_small.pop(name, None) is not None:
-            log.info("the %s tier takes steps again", name, extra={"event": "tier_fits"})
-            self._emit(PromotionEvent("too_small", name, step, message=""))
+        self.capacity.fits(name, step)
         nbytes = sum(n for _ok, n, _msg in outcomes)
         seconds = self._clock() - started
         progress = self._progress[name]
@@ -499,70 +388,6 @@ class PromotionEngine:
         self._emit(PromotionEvent("promoted", name, step, tuple(ranks), nbytes, seconds))
         return []
 
-    def _drop_superseded(self, name: TierName, step: int, ranks: list[int]) -> None:
-        tier = self.durable[name]
-        lin = self._progress[name].lineage
-        current = self.world.incarnation
-        for rank in ranks:
-            try:
-                there = tier.get_manifest(self.job_id, step, rank)
-            except ShardUnavailable:
-                continue
-            if current is None or there.incarnation == current or lin.live(there.incarnation, step):
-                continue
-            why = lin.why_dead(there.incarnation, step)
-            try:
-                tier.delete_step(self.job_id, step, frozenset({rank}))
-            except TierError as exc:
-                log.warning("cannot remove superseded rank %d of step %d: %s", rank, step, exc)
-                continue
-            log.info(
-                "removed rank %d of step %d from %s: %s",
-                rank,
-                step,
-                name,
-                why,
-                extra={"event": "superseded", "tier": name, "step": step, "rank": rank},
-            )
-            self._emit(PromotionEvent("superseded", name, step, (rank,), message=why))
-
-    def _check_capacity(self, name: TierName, step: int, manifests: dict[int, Manifest]) -> None:
-        """After ``step`` failed with no space left on ``name``: when the tier holds no more
-        than ``keep`` complete older steps, retention can free nothing (it never deletes the
-        newest complete steps before a newer one is complete), so the tier is too small for
-        ``keep + 1`` steps and promotion to it has stopped for good: say so (metrics, log,
-        report; issue 11, failure 8)."""
-        tier = self.durable[name]
-        retention = self.policies[name].retention
-        try:
-            older = [s for s in tier.complete_steps(self.job_id) if s < step]
-        except TierError:
-            return
-        if retention.to_delete(older):
-            return  # retention still has something to delete
-        keep = retention.keep if retention.keep is not None else len(older)
-        m = next(iter(manifests.values()))
-        shard = max(mm.data_nbytes for mm in manifests.values())
-        step_bytes = shard * m.world_size
-        have = ""
-        root = tier.local_root()
-        if root is not None:
-            try:
-                st = os.statvfs(root)
-                have = f"; the volume holds {st.f_blocks * st.f_frsize} bytes"
-            except OSError:
-                pass
-        why = (
-            f"the {name} tier is too small for keep + 1 = {keep + 1} steps of about "
-            f"{step_bytes} bytes each (step {step} did not fit next to {len(older)} complete "
-            f"older step(s) that retention keeps){have}; promotion to it is stuck. Enlarge the "
-            f"volume to at least {(keep + 1) * step_bytes} bytes or lower {name}.keep"
-        )
-        if self.too_small.get(name) != why:
-            log.error(why, extra={"event": "tier_too_small", "tier": name, "step": step})
-        self.too_small[name] = why
-        self._emit(PromotionEvent("too_small", name, step, message=why))
-
     # -- retention --------------------------------------------------------------------------------
 
     def wrote(self, writer_id: str) -> bool:
@@ -570,7 +395,7 @@ class PromotionEngine:
         trainers' (the client stamps ``<pod writer id>/rank-<r>``)."""
         return writer_id == self.writer_id or writer_id.startswith(self.writer_id + "/")
 
-    # -- SIGTERM, loop ----------------------------------------------------------------------------
+    # -- SIGTERM (the engine as a :class:`~strata.sidecar.promotion.flush.FlushTarget`) -----------
 
     def fastest_durable(self) -> TierName | None:
         return next(iter(self.durable), None)
@@ -587,6 +412,10 @@ class PromotionEngine:
         """
         return flush(self, deadline)
 
+    def now(self) -> float:
+        """The engine's clock (seconds; deadlines are on it)."""
+        return self._clock()
+
     def stop_interval_promotion(self) -> None:
         """From now on only forced rounds (the flush) promote."""
         self._stopping.set()
@@ -595,17 +424,35 @@ class PromotionEngine:
         """The lock serialising work on one durable tier."""
         return self._tier_locks[name]
 
+    def flush_view(self, tier: TierName) -> FlushView:
+        """Under ``tier``'s lock: the local ranks, their newest common RAM step and the newest
+        step on a durable tier (one listing of the RAM tier, one read of ``tier``)."""
+        listing = self.source.listing()
+        ranks = self.source.local_ranks(listing)
+        self.views.init(tier, ranks)
+        step = max(self.source.steps_of(ranks, listing), default=None)
+        return FlushView(ranks, step, self.newest_durable_step(tier, ranks))
+
+    def force_promote(self, tier: TierName, step: int, ranks: set[int]) -> FlushAttempt:
+        """Under ``tier``'s lock: one forced promotion of ``step`` for ``ranks``, ignoring the
+        shards' backoff and checksumming RAM shards whose writer did not."""
+        for rank in ranks:
+            self.copier.reset(tier, step, rank)
+        manifests = self.source.manifests(step, ranks, seal=True)
+        if manifests is None:
+            return FlushAttempt(False)
+        result = RoundResult(ram_step=step)
+        self._promote_if_due(tier, step, manifests, True, result)
+        if result.promoted.get(tier) == step:
+            return FlushAttempt(True, nbytes=sum(m.data_nbytes for m in manifests.values()))
+        return FlushAttempt(False, failures=result.failed.get(tier))
+
     def newest_durable_step(self, tier: TierName, ranks: set[int]) -> int | None:
         """Newest step holding every local shard on a durable tier: what this engine promoted
-        or found at start, and a fresh listing of ``tier``."""
-        known = [p.last_step for p in self._progress.values() if p.last_step is not None]
-        try:
-            listed = self._newest_local_step(self.durable[tier], ranks)
-        except TierError:
-            listed = None
-        if listed is not None:
-            known.append(listed)
-        return max(known) if known else None
+        or found at start, and a fresh read of ``tier`` (:meth:`TierViews.newest_durable_step`)."""
+        return self.views.newest_durable_step(tier)
+
+    # -- loop, events, start-up (C-12) --------------------------------------------------------------
 
     def run(self, stop: threading.Event, interval_seconds: float = 0.5) -> None:
         """Call :meth:`promote_once` every ``interval_seconds`` until ``stop`` is set."""
@@ -624,9 +471,14 @@ class PromotionEngine:
         except Exception:
             log.exception("promotion event handler failed")
 
-    # -- start-up (C-12) ----------------------------------------------------------------------------
-
     def prune_ram(self) -> list[tuple[int, int]]:
         """Keep only the newest committed RAM step of each rank; drop everything else
         (:func:`strata.sidecar.promotion.pruning.prune_ram`). Returns the (step, rank) removed."""
         return prune_ram(self.ram, self.job_id, self.config.ram.keep)
+
+
+def _incremental(config: StrataConfig, name: TierName) -> bool:
+    """Whether tier ``name`` stores incremental copies (default True when the configuration
+    does not describe that tier: an engine built with tiers of its own)."""
+    tier = config.durable(name)
+    return True if tier is None else tier.incremental

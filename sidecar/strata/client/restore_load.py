@@ -1,0 +1,225 @@
+"""Loading one rank's share of a restore: the tiers it reads, its staged RAM shard, the sharded
+tensors it owns, and the slices of a step written at another world size.
+
+Nothing here is collective (:mod:`strata.client.collectives` holds the protocol): each call
+does this rank's work and returns or raises; the :class:`strata.client.restorer.Restorer`
+carries the outcome into the next phase.
+
+- :class:`RestoreTiers`: the tiers a restore reads, nearest first, built once (a GCS tier that
+  cannot be built is left out with a note, never an error).
+- :class:`RankLoader`: :meth:`~RankLoader.load_staged` (the staged RAM shard, in place, one
+  pass: verified while copying when the stager left a RAM hit unverified),
+  :meth:`~RankLoader.fill_pending` (sharded slices from the tiers),
+  :meth:`~RankLoader.read_resharded` (a step of another world size).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from strata.client.loader import load_shard
+from strata.client.sharded import ShardedLoad, ShardReader
+from strata.config import StrataConfig
+from strata.format import codec
+from strata.tiers.base import Tier
+from strata.tiers.configured import durable_tiers, in_restore_order
+from strata.tiers.ram import RamTier
+from strata.tiers.slots import SlotLease
+
+log = logging.getLogger("strata.client")
+
+
+class RestoreTiers:
+    """The tiers a restore of ``config``'s job reads, in restore order (RAM first), built on
+    the first call of :meth:`get` (``writer_id`` stamped on what they write). ``notes``: why a
+    tier was left out (a GCS tier without credentials or client library)."""
+
+    def __init__(self, config: StrataConfig, ram: RamTier, writer_id: str) -> None:
+        self.config = config
+        self.ram = ram
+        self.writer_id = writer_id
+        self.notes: list[str] = []
+        self._tiers: list[Tier] | None = None
+
+    def get(self) -> list[Tier]:
+        if self._tiers is None:
+
+            def leave_out_gcs(exc: Exception) -> None:
+                # No credentials or no client library must not stop a restore that RAM or the
+                # PVC can serve: the tier is left out and the restore says so.
+                note = f"gcs: not searched: {exc}"
+                log.warning("strata: %s", note)
+                self.notes.append(note)
+
+            durable = durable_tiers(
+                self.config, writer_id=self.writer_id, on_gcs_error=leave_out_gcs
+            )
+            self._tiers = in_restore_order(self.config, self.ram, durable)
+        return self._tiers
+
+
+class SlotBuffers(Protocol):
+    """What a load borrows from the save path (:class:`strata.client.saver.Saver`): its copy
+    threads and its mappings of the RAM slots (a restore reads them without page faults)."""
+
+    @property
+    def copy_pool(self) -> Executor: ...
+
+    @property
+    def copy_threads(self) -> int: ...
+
+    def mapping_of(self, data_path: Path) -> mmap.mmap | None: ...
+
+    def host_view(self, data_path: Path) -> torch.Tensor | None: ...
+
+
+@dataclass
+class LoadedShard:
+    """This rank's staged shard, loaded in place (:meth:`RankLoader.load_staged`)."""
+
+    tree: Any
+    """The loaded state tree (live objects where they were updated in place)."""
+    sharded: ShardedLoad
+    """Its sharded tensors still to come from their owners or the tiers."""
+    component_steps: dict[str, int]
+    """Components saved at their own cadence -> the step their bytes come from."""
+    slots_hint: tuple[int, bool] | None
+    """(data bytes, holds CUDA tensors): what the next save's slots need; None: unknown (a
+    sharded state is sized by encoding it)."""
+
+
+@dataclass
+class ReshardRead:
+    """This rank's read of a step written at another world size (:meth:`RankLoader.read_resharded`)."""
+
+    tree: Any
+    source_rank: int
+    """The saved rank whose per-rank values this rank took."""
+    parent: str
+    """The incarnation that wrote the step ("" when unknown)."""
+    nbytes: int
+    error: str | None
+    """Why this rank could not load it (None: loaded)."""
+
+
+class RankLoader:
+    """Loads for rank ``rank`` of ``world_size`` of ``job_id``: from ``ram`` (staged shards),
+    with ``buffers`` (the save path's copy threads and slot mappings), reading the ``tiers``
+    for sharded slices. ``verify``: the policy's ``restore.verify``. ``stager_deferred()``:
+    whether the last staging left a RAM hit unverified (the load then verifies it)."""
+
+    def __init__(
+        self,
+        ram: RamTier,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        *,
+        verify: bool,
+        buffers: SlotBuffers,
+        tiers: Callable[[], Sequence[Tier]],
+        stager_deferred: Callable[[], bool],
+    ) -> None:
+        self.ram = ram
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self.verify = verify
+        self.buffers = buffers
+        self.tiers = tiers
+        self.stager_deferred = stager_deferred
+
+    def load_staged(self, state: Any, step: int, tier: str, notes: list[str]) -> LoadedShard:
+        """Load this rank's staged RAM shard of ``step`` (served by ``tier``) into ``state``
+        (:mod:`strata.client.loader`). Sharded tensors not in this shard are left to
+        :meth:`fill_pending` and the ``replicas`` phase. Raises :class:`ShardCorrupt` (the live
+        state is then partly overwritten) and what the codec raises for a state that does not
+        fit (:class:`strata.format.codec.CodecError`)."""
+        load = ShardedLoad(self.rank, self.world_size, self.world_size)
+        deferred = tier == self.ram.name and self.stager_deferred()
+        with SlotLease(self.ram, self.job_id, step, self.rank) as lease:
+            m = lease.manifest
+            assert m is not None
+            component_steps = dict(m.component_steps or {})
+            verify = deferred and self.verify and m.verified
+            mapped = self.buffers.mapping_of(lease.path)
+            if mapped is not None and len(mapped) < m.data_nbytes:
+                mapped = None  # mapped before the slot grew: the loader maps it itself
+            out = load_shard(
+                state,
+                m,
+                lease.path,
+                pool=self.buffers.copy_pool,
+                workers=self.buffers.copy_threads,
+                verify=verify,
+                # A shard its stager verified (or a policy without verification) is copied
+                # only; one without checksums yet is checksummed on the way.
+                checksum=verify or not m.verified,
+                mapped=mapped,
+                device_source=lambda: self.buffers.host_view(lease.path),
+                resolve=load.resolve,
+            )
+            if deferred and not m.verified and m.data_nbytes:
+                self.ram.update_checksums(
+                    self.job_id, step, self.rank, out.chunk_crc32c, out.crc32c
+                )
+                notes.append(
+                    f"ram: step {step} rank {self.rank} had no checksums yet (its writer stopped "
+                    "before the checksum pass); checksummed now, not verified against an "
+                    "earlier record"
+                )
+        # Sharded tensors go to the resharding restore, not the loader: their device is unknown
+        # here, so such a state is sized by encoding it (after the load, as before).
+        hint = None if m.sharded else (m.data_nbytes, out.cuda)
+        return LoadedShard(out.tree, load, component_steps, hint)
+
+    def fill_pending(self, load: ShardedLoad, step: int, notes: list[str]) -> None:
+        """Slices of sharded tensors that no owner sent (after the ``replicas`` phase), read
+        from the tiers' shards of ``step``. Raises what reading raises."""
+        if not load.pending:
+            return
+        reader = ShardReader(self.tiers(), self.job_id, step)
+        try:
+            load.fill_from_tiers(reader)
+        finally:
+            notes.extend(reader.notes)
+            reader.close()
+
+    def read_resharded(
+        self, state: Any, step: int, saved_world: int, notes: list[str]
+    ) -> ReshardRead:
+        """Load ``step``, written by ``saved_world`` ranks, into ``state`` at this world size.
+
+        Rank r loads its per-rank values (non-sharded tensors, RNG, dataloader state) from saved
+        rank r when that rank existed, else from saved rank ``r % saved_world``; every sharded
+        tensor gets the slice this rank holds now from the saved owners' shards. Never raises:
+        a failure is the result's ``error``.
+        """
+        src = self.rank if self.rank < saved_world else self.rank % saved_world
+        reader = ShardReader(self.tiers(), self.job_id, step)
+        load = ShardedLoad(self.rank, self.world_size, saved_world)
+        err = None
+        tree: Any = None
+        parent = ""
+        try:
+            m = reader.manifest(src)
+            parent = m.incarnation
+            data = reader.read(src, 0, m.data_nbytes)
+            tree = codec.load_into(
+                state, m, data, where=f"step {step} rank {src}", resolve=load.resolve
+            )
+            load.fill_from_tiers(reader)
+        except Exception as exc:  # any failure (a device copy, NCCL): every rank learns of it
+            err = f"rank {self.rank}: {exc}"
+        finally:
+            notes.extend(n for n in reader.notes if n not in notes)
+            reader.close()
+        return ReshardRead(tree, src, parent, reader.nbytes_read, err)
