@@ -333,7 +333,11 @@ def test_bad_size_in_policy_names_the_field() -> None:
 def test_generated_name_pod_without_annotations_or_volumes() -> None:
     pod = PodBuilder(None).generate_name("w-").policy("fast").container("a").container("b").obj()
     injected = inject(pod, policy_obj(pvc=None, grace=None), namespace="ns1")
-    assert [v["name"] for v in injected["spec"]["volumes"]] == [RAM_VOLUME, TOKEN_VOLUME, TMP_VOLUME]
+    assert [v["name"] for v in injected["spec"]["volumes"]] == [
+        RAM_VOLUME,
+        TOKEN_VOLUME,
+        TMP_VOLUME,
+    ]
     for c in injected["spec"]["containers"]:
         assert [m["name"] for m in c["volumeMounts"]] == [RAM_VOLUME]
     assert injected["spec"]["terminationGracePeriodSeconds"] == 30

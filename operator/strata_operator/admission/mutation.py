@@ -109,10 +109,10 @@ from strata_operator.constants import (
     REPORT_CA_ANNOTATION,
     RUN_ID_ANNOTATION,
     SIDECAR_NAME,
-    TOKEN_DIR,
-    TOKEN_FILE,
     TMP_SIZE,
     TMP_VOLUME,
+    TOKEN_DIR,
+    TOKEN_FILE,
     TOKEN_VOLUME,
     ZONE_LABEL,
 )
