@@ -5,9 +5,11 @@ Like ``examples/train.py`` but with ``--step-seconds``: the sidecar looks for du
 every 0.5 s, so a step that lasts longer than that lets every rank's sidecar see every step and
 promote the same ones, which makes "complete on the PVC at step N" deterministic in the test.
 Prints one JSON line per event: ``restored`` (rank, step, tier, seconds, weights_sha256 of the
-restored model), ``saved`` (rank, step, ok, weights_sha256 of what was saved), ``done`` (rank,
-step, weights_sha256). SIGTERM ends it (exit 143) through the checkpointer's ``with`` block: as a
-container's PID 1 it would otherwise ignore SIGTERM and be killed only after the grace period.
+restored model), ``saved`` (rank, step, ok, weights_sha256 of what was saved; ``error``, the
+checkpointer's ``last_error``, when not ok), ``done`` (rank, step, weights_sha256).
+``--ballast-mib N`` adds an N MiB tensor to the state (a state larger than the RAM tier).
+SIGTERM ends it (exit 143) through the checkpointer's ``with`` block: as a container's PID 1 it
+would otherwise ignore SIGTERM and be killed only after the grace period.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, required=True, help="train until this step (excl.)")
     parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument(
+        "--ballast-mib",
+        type=int,
+        default=0,
+        help="add a tensor of this many MiB to the saved state (a state larger than the RAM tier)",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -56,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    if args.ballast_mib:
+        state["ballast"] = torch.zeros(args.ballast_mib << 18)  # float32: 4 bytes each
     with strata.Checkpointer() as ckpt:
         result = ckpt.restore(state)
         emit(
@@ -79,7 +89,15 @@ def main(argv: list[str] | None = None) -> int:
             state["step"] = step
             if ckpt.should_save(step):
                 ok = ckpt.save(step, state)
-                emit("saved", rank=rank, step=step, ok=ok, weights_sha256=weights_sha256(model))
+                extra = {} if ok else {"error": ckpt.last_error}
+                emit(
+                    "saved",
+                    rank=rank,
+                    step=step,
+                    ok=ok,
+                    weights_sha256=weights_sha256(model),
+                    **extra,
+                )
             time.sleep(args.step_seconds)
         ckpt.wait()
     emit("done", rank=rank, step=args.steps - 1, weights_sha256=weights_sha256(model))

@@ -43,7 +43,10 @@ SIDECAR_NAME: Final = "strata-sidecar"
 RAM_VOLUME: Final = "strata-ram"
 PVC_VOLUME: Final = "strata-pvc"
 TOKEN_VOLUME: Final = "strata-token"
-VOLUMES: Final = (RAM_VOLUME, PVC_VOLUME, TOKEN_VOLUME)
+TMP_VOLUME: Final = "strata-tmp"
+"""The sidecar's writable ``/tmp`` (an emptyDir): its root filesystem is read-only."""
+TMP_SIZE: Final = "64Mi"
+VOLUMES: Final = (RAM_VOLUME, PVC_VOLUME, TOKEN_VOLUME, TMP_VOLUME)
 TOKEN_DIR: Final = "/var/run/secrets/strata.dev"
 TOKEN_FILE: Final = "token"
 CA_FILE: Final = "ca.crt"

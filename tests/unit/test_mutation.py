@@ -24,6 +24,7 @@ from strata_operator.constants import (
     RAM_VOLUME,
     REPORT_CA_ANNOTATION,
     SIDECAR_NAME,
+    TMP_VOLUME,
     TOKEN_VOLUME,
 )
 from tests.fixtures.pods import (
@@ -101,6 +102,27 @@ def test_injected_pod_gets_volumes_sidecar_env_mounts_and_grace() -> None:
     assert env_of(sidecar)["STRATA_CONFIG"] == env["STRATA_CONFIG"]
     mounts = {m["name"]: m["mountPath"] for m in train["volumeMounts"]}
     assert mounts == {RAM_VOLUME: config.ram.path, PVC_VOLUME: config.pvc.path}
+
+
+def test_sidecar_root_filesystem_is_read_only_with_a_writable_tmp() -> None:
+    pod = inject(training_pod().obj())
+    sidecar = sidecar_of(pod)
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
+    assert mounts["/tmp"] == TMP_VOLUME
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    # Disk-backed (not charged to the sidecar's memory) and bounded.
+    assert vols[TMP_VOLUME]["emptyDir"] == {"sizeLimit": "64Mi"}
+    # Only the sidecar mounts it: the training containers' /tmp stays theirs.
+    for c in pod["spec"]["containers"]:
+        assert TMP_VOLUME not in {m["name"] for m in c.get("volumeMounts") or []}
+    assert not restricted_violations(inject(training_pod().restricted().obj()))
+
+
+def test_pod_with_its_own_strata_tmp_volume_is_refused() -> None:
+    pod = training_pod().volume(TMP_VOLUME, emptyDir={}).obj()
+    with pytest.raises(InjectionError, match="strata-tmp"):
+        build_pod_patch(pod, policy_obj(), SETTINGS)
 
 
 def test_grace_period_is_raised_never_lowered() -> None:
@@ -311,7 +333,11 @@ def test_bad_size_in_policy_names_the_field() -> None:
 def test_generated_name_pod_without_annotations_or_volumes() -> None:
     pod = PodBuilder(None).generate_name("w-").policy("fast").container("a").container("b").obj()
     injected = inject(pod, policy_obj(pvc=None, grace=None), namespace="ns1")
-    assert [v["name"] for v in injected["spec"]["volumes"]] == [RAM_VOLUME, TOKEN_VOLUME]
+    assert [v["name"] for v in injected["spec"]["volumes"]] == [
+        RAM_VOLUME,
+        TOKEN_VOLUME,
+        TMP_VOLUME,
+    ]
     for c in injected["spec"]["containers"]:
         assert [m["name"] for m in c["volumeMounts"]] == [RAM_VOLUME]
     assert injected["spec"]["terminationGracePeriodSeconds"] == 30

@@ -14,6 +14,9 @@ What an injected pod gets (every name below is a constant of :mod:`strata_operat
   authenticates reports with a TokenReview) plus the report CA bundle, projected from the pod
   annotation ``strata.dev/report-ca`` through the downward API so that no per-namespace ConfigMap
   or Secret is needed;
+* volume ``strata-tmp``: a small ``emptyDir`` (``sizeLimit`` 64Mi) mounted at ``/tmp`` of the
+  sidecar only: the sidecar runs with ``readOnlyRootFilesystem``, and Python's ``tempfile`` (and
+  any library using it) needs one writable temporary directory;
 * the sidecar as a native sidecar (an init container with ``restartPolicy: Always``) appended after
   the existing init containers, so that it starts after them (a network proxy sidecar, data
   staging) and is stopped before them; a ``startupProbe`` on ``/healthz`` holds back the training
@@ -55,8 +58,8 @@ pod only gets what is missing, so applying the patch and calling :func:`build_po
 yields ``[]``. Names are constants of :mod:`strata_operator.constants`. Rule of this module: pure
 (no Kubernetes calls, no kopf). A pod that meets the restricted Pod Security Standard still meets it
 after injection with the ``Memory`` medium: the sidecar runs as non-root, without privilege
-escalation, with all capabilities dropped and the ``RuntimeDefault`` seccomp profile, and it
-declares no host port.
+escalation, with all capabilities dropped, a read-only root filesystem and the ``RuntimeDefault``
+seccomp profile, and it declares no host port.
 
 Errors: :class:`InjectionError` (a clear message naming the object and the setting) when a pod
 cannot be injected; the webhook turns it into a 4xx admission denial.
@@ -106,6 +109,8 @@ from strata_operator.constants import (
     REPORT_CA_ANNOTATION,
     RUN_ID_ANNOTATION,
     SIDECAR_NAME,
+    TMP_SIZE,
+    TMP_VOLUME,
     TOKEN_DIR,
     TOKEN_FILE,
     TOKEN_VOLUME,
@@ -453,6 +458,7 @@ def _volumes(pol: CheckpointPolicySpec, settings: InjectionSettings, ram_bytes: 
             {"downwardAPI": {"items": [{"path": CA_FILE, "fieldRef": {"fieldPath": ref}}]}}
         )
     volumes.append({"name": TOKEN_VOLUME, "projected": {"sources": sources, "defaultMode": 0o444}})
+    volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE}})
     return volumes
 
 
@@ -514,6 +520,7 @@ def _sidecar_container(
     security: Obj = {
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
         "runAsNonRoot": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
@@ -529,6 +536,7 @@ def _sidecar_container(
             security["runAsGroup"] = trainer["runAsGroup"]
     mounts = _tier_mounts(pol, config)
     mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
+    mounts.append({"name": TMP_VOLUME, "mountPath": "/tmp"})
     container: Obj = {
         "name": SIDECAR_NAME,
         "image": pol.sidecar.image or settings.sidecar_image,

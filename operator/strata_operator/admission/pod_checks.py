@@ -5,8 +5,8 @@ problem names the object and the setting, and says what to change; the webhook j
 one denial that starts with "Strata:".
 
 Strata owns a few names in an injected pod (:mod:`strata_operator.constants`): the sidecar
-container, the volumes ``strata-ram``/``strata-pvc``/``strata-token``, the mount paths of the tiers,
-the env vars ``STRATA_*`` and the downward-API identity vars, the metrics port and the
+container, the volumes ``strata-ram``/``strata-pvc``/``strata-token``/``strata-tmp``, the mount
+paths of the tiers, the env vars ``STRATA_*`` and the downward-API identity vars, the metrics port and the
 ``strata.dev/injected`` and ``strata.dev/report-ca`` annotations. A pod that already uses one of
 them for something else would silently run with the user's object instead of Strata's (a hostPath
 named ``strata-ram`` as the RAM tier, a literal ``POD_NAME`` as the rank identity), so such a pod
