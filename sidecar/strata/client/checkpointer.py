@@ -76,6 +76,7 @@ from strata.restore import (
 )
 from strata.tiers.base import Tier
 from strata.tiers.configured import durable_tiers, in_restore_order
+from strata.tiers.medium import check_ram_medium
 from strata.tiers.ram import RamTier
 from strata.tiers.records import write_incarnation
 from strata.tiers.slots import (
@@ -179,6 +180,8 @@ class Checkpointer:
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
         self.writer_id = f"{self.config.pod_writer_id}/rank-{self.rank}"
+        # A RAM directory on a disk is refused outside Kubernetes (strata.tiers.medium).
+        check_ram_medium(self.config.ram.path, who="Checkpointer")
         # Training waits for a restore: verify a RAM shard with every core (CRC32C is CPU-bound
         # on tmpfs; the chunk CRCs combine into the whole-object CRC without a second pass).
         self.ram = RamTier(

@@ -58,6 +58,7 @@ from strata.sidecar.termination import (
 )
 from strata.tiers.base import Tier
 from strata.tiers.configured import durable_tiers, in_restore_order
+from strata.tiers.medium import check_ram_medium
 from strata.tiers.ram import RamTier
 
 log = logging.getLogger("strata.sidecar")
@@ -84,6 +85,7 @@ class Sidecar:
         self.config = config
         self.policies = tier_policies(config)  # PolicyError names a conflicting setting
         self.writer_id = config.pod_writer_id
+        check_ram_medium(config.ram.path, who="strata sidecar")
         self.ram = RamTier(config.ram.path, keep=config.ram.keep)
         # Retried GCS calls give up after a minute: the next round retries anyway, and a tier
         # lock held for GCS's default two minutes would delay retention and reports.
