@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import signal
 import threading
 import time
@@ -97,6 +98,10 @@ class Sidecar:
         )
         grace = config.termination_grace_seconds
         self.flush_meter = FlushMeter(self.engine.fastest_durable(), grace, TERM_MARGIN_SECONDS)
+        self.metrics.flush_seconds_needed.set_function(
+            lambda: _nan_if_none(self.flush_meter.estimate().seconds_needed)
+        )
+        self.metrics.flush_budget_seconds.set(self.flush_meter.budget_seconds)
         self.termination = TerminationFlush(
             self.engine, grace, TERM_MARGIN_SECONDS, on_outcome=self._on_flush
         )
@@ -463,3 +468,7 @@ def _politely(body: Callable[..., None]) -> Callable[..., None]:
         body(*args)
 
     return run
+
+
+def _nan_if_none(value: float | None) -> float:
+    return math.nan if value is None else value
