@@ -117,7 +117,11 @@ VALUE_SETS: dict[str, list[str]] = {
         "tests.image.repository=python",
         "tests.image.tag=3.12.8-slim-bookworm",
     ],
-    "verbose-name-override": ["operator.logLevel=verbose", "nameOverride=ckpt"],
+    "verbose-name-override": [
+        "operator.logLevel=verbose",
+        "operator.logFormat=text",
+        "nameOverride=ckpt",
+    ],
 }
 
 STUB_CRDS = [

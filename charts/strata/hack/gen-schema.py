@@ -65,6 +65,7 @@ PORT = {"minimum": 1, "maximum": 65535}
 CONSTRAINTS: dict[str, dict[str, Any]] = {
     "image.pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
     "operator.logLevel": {"enum": ["info", "verbose", "debug"]},
+    "operator.logFormat": {"enum": ["json", "text"]},
     "ports.webhook": PORT,
     "ports.reports": PORT,
     "ports.health": PORT,
