@@ -33,7 +33,9 @@ def restore_logging() -> Iterator[None]:
 
 
 def _object_logger() -> logging.LoggerAdapter[logging.Logger]:
-    return kopf.ObjectLogger(body=kopf.Body(cast(kopf.RawBody, POLICY)), settings=kopf.OperatorSettings())
+    return kopf.ObjectLogger(
+        body=kopf.Body(cast(kopf.RawBody, POLICY)), settings=kopf.OperatorSettings()
+    )
 
 
 def test_json_lines_have_the_sidecars_fields_and_the_object(
