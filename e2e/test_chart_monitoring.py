@@ -203,6 +203,10 @@ def test_dashboard_is_the_chart_file_and_its_panels_query_exported_metrics(
         if "dashboard" in o["metadata"]["name"]
     ]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "strata-system"  # the release's by default
+    elsewhere = render(helm, *MONITORING, "metrics.grafanaDashboard.namespace=monitoring")
+    (moved,) = [o for o in kinds(elsewhere)["ConfigMap"] if "dashboard" in o["metadata"]["name"]]
+    assert moved["metadata"]["namespace"] == "monitoring"
     source = (CHART / "dashboards" / "strata.json").read_text()
     assert json.loads(cm["data"]["strata.json"]) == json.loads(source)
     dash = json.loads(source)

@@ -78,7 +78,6 @@ VALUE_SETS: dict[str, list[str]] = {
         "metrics.prometheusRule.promotionSlowSeconds=120",
         "metrics.prometheusRule.saveStallSeconds=3",
         "metrics.grafanaDashboard.enabled=true",
-        "metrics.grafanaDashboard.namespace=strata-system",
     ],
     "no-crds-no-pdb": ["crds.install=false", "podDisruptionBudget.enabled=false"],
     "existing-service-account-no-rbac": [
