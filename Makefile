@@ -11,7 +11,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
 .PHONY: maps help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
-        manifests manifests-check dist bench bench-sharded bench-smoke scale-data tools node-prereqs images cluster-up cluster-down scale clean chaos
+        manifests manifests-check dist chart bench bench-sharded bench-smoke scale-data tools node-prereqs images cluster-up cluster-down scale clean chaos
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -121,6 +121,17 @@ chaos: $(STAMP) ## fault-injection campaign (not in make test; CHAOS_LONG=1: 2,0
 dist: $(STAMP) ## build the wheel and sdist of strata-checkpoint into dist/ (no network: the venv's setuptools)
 	rm -rf dist
 	$(BIN)/python -m build --no-isolation --outdir dist .
+
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
+CHART_DIR ?= dist
+HELM ?= $(shell bash e2e/build-tools.sh --print-dir)/helm
+
+chart: ## package the Helm chart into $(CHART_DIR)/strata-<version>.tgz (version and appVersion = the package's; needs helm: make tools)
+	@test -x "$(HELM)" || { echo "no helm at $(HELM): run 'make tools' (or set HELM)"; exit 1; }
+	@mkdir -p $(CHART_DIR)
+	$(HELM) lint --strict charts/strata --kube-version 1.29.0
+	$(HELM) package charts/strata --destination $(CHART_DIR) --version $(VERSION) --app-version $(VERSION)
+	@echo "push it to an OCI registry with: helm push $(CHART_DIR)/strata-$(VERSION).tgz oci://<registry>/<path>"
 
 clean: ## remove .venv and caches (not the tool cache in ~/.cache/strata)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .strata-run

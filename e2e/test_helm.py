@@ -67,6 +67,18 @@ VALUE_SETS: dict[str, list[str]] = {
         "metrics.serviceMonitor.labels.release=prometheus",
         "metrics.serviceMonitor.interval=15s",
     ],
+    "monitoring": [
+        "metrics.podMonitor.enabled=true",
+        "metrics.podMonitor.namespaces={ml,research}",
+        "metrics.podMonitor.labels.release=prometheus",
+        "metrics.prometheusRule.enabled=true",
+        "metrics.prometheusRule.labels.release=prometheus",
+        "metrics.prometheusRule.alertLabels.team=ml-infra",
+        "metrics.prometheusRule.noDurableStepMinutes=30",
+        "metrics.prometheusRule.promotionSlowSeconds=120",
+        "metrics.prometheusRule.saveStallSeconds=3",
+        "metrics.grafanaDashboard.enabled=true",
+    ],
     "no-crds-no-pdb": ["crds.install=false", "podDisruptionBudget.enabled=false"],
     "existing-service-account-no-rbac": [
         "serviceAccount.create=false",
@@ -104,13 +116,19 @@ VALUE_SETS: dict[str, list[str]] = {
         "tests.image.repository=python",
         "tests.image.tag=3.12.8-slim-bookworm",
     ],
-    "verbose-name-override": ["operator.logLevel=verbose", "nameOverride=ckpt"],
+    "verbose-name-override": [
+        "operator.logLevel=verbose",
+        "operator.logFormat=text",
+        "nameOverride=ckpt",
+    ],
 }
 
 STUB_CRDS = [
     ("cert-manager.io", "Certificate", "certificates"),
     ("cert-manager.io", "Issuer", "issuers"),
     ("monitoring.coreos.com", "ServiceMonitor", "servicemonitors"),
+    ("monitoring.coreos.com", "PodMonitor", "podmonitors"),
+    ("monitoring.coreos.com", "PrometheusRule", "prometheusrules"),
 ]
 
 

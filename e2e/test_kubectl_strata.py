@@ -30,7 +30,7 @@ from tests.fixtures.pods import PodBuilder, policy_obj
 
 from e2e.cluster import LocalCluster
 from e2e.local_kubelet import LocalKubelet
-from e2e.operator_fixtures import apply_crds
+from e2e.operator_fixtures import apply_crds, ensure_namespace
 from e2e.test_flow import setup_pvc
 from strata.tiers.posix import PosixTier
 
@@ -285,3 +285,48 @@ def test_verify_job_runs_strata_verify_where_the_pvc_is_and_passes_its_exit_code
         assert jobs == [] or all(j.metadata.name.startswith("strata-verify-") for j in jobs)
     finally:
         kubelet.close()
+
+
+def test_version_shows_the_plugin_and_the_operator_the_chart_installs(
+    k8s_cluster: LocalCluster, api: client.ApiClient, plugin_env: dict[str, str]
+) -> None:
+    """The operator Deployment rendered by the chart is found by its labels; its version label
+    is shown, and a minor version other than the plugin's is flagged."""
+    import yaml
+
+    import strata
+
+    ns = f"strata-ops-{uuid.uuid4().hex[:6]}"
+    ensure_namespace(k8s_cluster, ns)
+    helm = [str(k8s_cluster.bin_dir / "helm"), "template", "strata", "charts/strata", "-n", ns]
+    rendered = subprocess.run(
+        [*helm, "--kube-version", "1.35.4"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    ).stdout
+    (deployment,) = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment"]
+    apps = client.AppsV1Api(api)
+    apps.create_namespaced_deployment(ns, deployment)
+    try:
+        proc = kubectl_strata(plugin_env, "version", "-o", "json")
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc["client"]["version"] == strata.__version__
+        (op,) = [o for o in doc["operators"] if o["namespace"] == ns]
+        assert op["name"] == deployment["metadata"]["name"] and op["skew"] is False
+        assert op["version"] == deployment["metadata"]["labels"]["app.kubernetes.io/version"]
+        assert op["image"] == deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+
+        major, minor, *_ = strata.__version__.split(".")
+        other = f"{major}.{int(minor) + 1}.0"
+        patch = {"metadata": {"labels": {"app.kubernetes.io/version": other}}}
+        apps.patch_namespaced_deployment(deployment["metadata"]["name"], ns, patch)
+        proc = kubectl_strata(plugin_env, "version")
+        assert proc.returncode == 0, proc.stderr
+        assert f"operator {ns}/{deployment['metadata']['name']}: {other}" in proc.stdout
+        assert "warning: the operator's version" in proc.stdout and "skew" in proc.stdout.lower()
+    finally:
+        apps.delete_namespaced_deployment(deployment["metadata"]["name"], ns)

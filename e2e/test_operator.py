@@ -253,19 +253,57 @@ def wait_ready(
     return wait_for(f"{namespace}/{name} Ready={status}", probe)  # type: ignore[no-any-return]
 
 
-def create_pvc(kube: Any, namespace: str, name: str, mode: str = "ReadWriteMany") -> None:
-    client.CoreV1Api(kube).create_namespaced_persistent_volume_claim(
+def create_pvc(
+    kube: Any, namespace: str, name: str, mode: str = "ReadWriteMany", bound: bool = True
+) -> None:
+    """A claim; ``bound``: with a PersistentVolume made for it, returning once it is Bound
+    (the PV controller binds them); else it stays Pending (no StorageClass provisions it)."""
+    core: Any = client.CoreV1Api(kube)  # plain dicts in, as the API takes them
+    pv = f"{namespace}-{name}"[:63]
+    spec: Obj = {
+        "accessModes": [mode],
+        "resources": {"requests": {"storage": "1Gi"}},
+        "storageClassName": "",
+    }
+    if bound:
+        create_pv_for(kube, namespace, name, mode)
+        spec["volumeName"] = pv
+    core.create_namespaced_persistent_volume_claim(
         namespace,
         {
             "apiVersion": "v1",
             "kind": "PersistentVolumeClaim",
             "metadata": {"name": name},
-            "spec": {
-                "accessModes": [mode],
-                "resources": {"requests": {"storage": "1Gi"}},
-                "storageClassName": "",
-            },
+            "spec": spec,
         },
+    )
+    if bound:
+        wait_for(
+            f"PVC {namespace}/{name} Bound",
+            lambda: (
+                core.read_namespaced_persistent_volume_claim(name, namespace).status.phase
+                == "Bound"
+            ),
+        )
+
+
+def create_pv_for(kube: Any, namespace: str, name: str, mode: str = "ReadWriteMany") -> None:
+    """A PersistentVolume reserved (claimRef) for the claim ``namespace/name``."""
+    core: Any = client.CoreV1Api(kube)
+    core.create_persistent_volume(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"{namespace}-{name}"[:63]},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": [mode],
+                "storageClassName": "",
+                "persistentVolumeReclaimPolicy": "Retain",
+                "hostPath": {"path": f"/tmp/strata-e2e-pv/{namespace}/{name}"},
+                "claimRef": {"namespace": namespace, "name": name},
+            },
+        }
     )
 
 
@@ -707,6 +745,41 @@ def test_a_created_pvc_makes_its_policy_ready_at_once_not_at_the_next_retry(
         assert gone is not None and gone["reason"] == k.REASON_PVC_NOT_FOUND
         reasons = [e["reason"] for e in events_for(kube, ns, "waits")]
         assert reasons.count(k.REASON_RECONCILED) == 1, reasons
+        assert op.alive() and op.errors() == []
+    finally:
+        op.stop()
+
+
+def test_a_pending_pvc_is_degraded_and_said_in_ready_until_it_binds(
+    k8s_cluster: LocalCluster, crd: None, kube: Any, k8s_namespace: str, tmp_path: Path
+) -> None:
+    """A claim nothing has bound yet: the policy stays Ready (a WaitForFirstConsumer claim binds
+    only once a pod mounts it, and the webhook refuses pods of a policy that is not Ready), its
+    Ready message and Degraded=True PvcPending say so; binding it clears Degraded without
+    touching the policy (the PVC watch)."""
+    ns = k8s_namespace
+    op = Operator(k8s_cluster, tmp_path, None)
+    op.start("--dependency-retry", "600", "--no-bucket-check")
+    try:
+        create_pvc(kube, ns, "unbound", bound=False)
+        create_policy(kube, PolicyBuilder("pending", ns).pvc("unbound").obj())
+        policy = wait_ready(kube, ns, "pending")
+        ready, degraded = condition(policy, k.READY), condition(policy, k.DEGRADED)
+        assert ready is not None and "PVC is Pending" in ready["message"], ready
+        assert degraded is not None, policy
+        assert (degraded["status"], degraded["reason"]) == ("True", k.REASON_PVC_PENDING)
+        assert "'unbound'" in degraded["message"], degraded
+        create_pv_for(kube, ns, "unbound")
+
+        def cleared() -> Obj | None:
+            got = get_policy(kube, ns, "pending")
+            d = condition(got, k.DEGRADED)
+            return got if d is not None and d["status"] == "False" else None
+
+        bound = wait_for("Degraded=False once the claim is Bound", cleared)
+        ready = condition(bound, k.READY)
+        assert ready is not None and ready["status"] == "True"
+        assert "Pending" not in ready["message"], ready
         assert op.alive() and op.errors() == []
     finally:
         op.stop()

@@ -19,10 +19,14 @@ webhook injects (``STRATA_CONFIG``) in a pod:
    script exits with status 143, so that the Job does not count the pod as succeeded
    (README "Preemption").
 
-Outside Kubernetes, point it at directories::
+Outside Kubernetes, give it and a ``strata sidecar`` the same configuration (the RAM directory
+on a tmpfs; the sidecar promotes the newest RAM step at or past each multiple of 10 to the PVC
+directory, ``keep: 2``, so a 50-step run leaves a step from 40 on there)::
 
-    STRATA_JOB_ID=local.train STRATA_RAM_DIR=/dev/shm/strata-train STRATA_PVC_DIR=/tmp/ckpt \\
-        python examples/train.py --steps 50 --allow-fresh-start
+    export STRATA_CONFIG='{"job_id": "local.train", "ram": {"path": "/dev/shm/strata-train"}, "pvc": {"path": "/tmp/strata-train-pvc", "every": {"steps": 10}}, "metrics_port": 0}'
+    strata sidecar &
+    python examples/train.py --steps 50 --allow-fresh-start
+    kill %1
 
 Run it again with more steps and it resumes where the newest checkpoint left off. Prints one
 JSON line per event (``restored``, ``step``, ``done``) so that logs are easy to follow and test.

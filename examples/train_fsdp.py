@@ -1,9 +1,21 @@
 """FSDP2 training with Strata checkpoints: sharded state saved per rank, resumed at the same or
 another world size (issue 13).
 
-Launch like any torch.distributed job (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)::
+Launch like any torch.distributed job (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT).
+Outside Kubernetes, give the ranks and a ``strata sidecar`` the same configuration: the sidecar
+promotes the newest RAM step at or past each multiple of 10 to the PVC directory (``keep: 2``),
+so a 40-step run leaves a step from 30 on there (the default cadence of 100 steps would leave
+only step 0), and a run at another world size reshards from it. The RAM directory must be a
+tmpfs (/dev/shm)::
 
-    STRATA_JOB_ID=ns.fsdp torchrun --nproc-per-node 2 examples/train_fsdp.py --steps 40
+    export STRATA_CONFIG='{"job_id": "local.fsdp", "ram": {"path": "/dev/shm/strata-fsdp"}, "pvc": {"path": "/tmp/strata-fsdp-pvc", "every": {"steps": 10}}, "metrics_port": 0}'
+    strata sidecar &
+    torchrun --nproc-per-node 2 examples/train_fsdp.py --steps 40
+    torchrun --nproc-per-node 4 examples/train_fsdp.py --steps 50
+    kill %1
+
+The second run restores the PVC's newest step at world size 4 (``restored`` shows the step and
+the world size) and trains on to step 49.
 
 The model is sharded with ``fully_shard`` on a 1-D mesh (CUDA + NCCL when every rank has a GPU,
 else CPU + gloo). Each saved step holds, per rank, only its shards of the parameters and of

@@ -103,6 +103,7 @@ REASON_API_ERROR: Final = "ApiError"
 
 REASON_AS_EXPECTED: Final = "AsExpected"
 REASON_PVC_NOT_SHARED: Final = "PvcNotShared"
+REASON_PVC_PENDING: Final = "PvcPending"
 REASON_BUCKET_NOT_CHECKED: Final = "BucketNotChecked"
 REASON_NOT_EVALUATED: Final = "NotEvaluated"
 
@@ -120,6 +121,7 @@ CONDITION_REASONS: Final = frozenset(
         REASON_API_ERROR,
         REASON_AS_EXPECTED,
         REASON_PVC_NOT_SHARED,
+        REASON_PVC_PENDING,
         REASON_BUCKET_NOT_CHECKED,
         REASON_NOT_EVALUATED,
     }

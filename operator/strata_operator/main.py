@@ -39,6 +39,7 @@ from strata_operator import certs
 from strata_operator.admission.webhook import Webhook
 from strata_operator.constants import FINALIZER, PERSISTENCE_PREFIX, POLICY_LABEL
 from strata_operator.extension import Extension, ReportEndpoint, Wiring
+from strata_operator.logs import ENV_LOG_FORMAT, LOG_FORMATS, setup_logging
 from strata_operator.reconcile.handlers import PolicyReconciler
 from strata_operator.reports.receiver import ReportReceiver
 
@@ -131,6 +132,13 @@ def build_parser(extensions: Sequence[Extension] | None = None) -> argparse.Argu
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     parser.add_argument("--debug", action="store_true", help="log at DEBUG")
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=os.environ.get(ENV_LOG_FORMAT) or "json",
+        help=f"json: one JSON object per line, like the sidecar's; text: kopf's plain lines "
+        f"(default: ${ENV_LOG_FORMAT}, else json)",
+    )
     tls = parser.add_argument_group("TLS of the webhook and the report receiver")
     tls.add_argument(
         "--tls-dir",
@@ -223,7 +231,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser(extensions).parse_args(argv)
     if args.kubeconfig:
         use_kubeconfig(args.kubeconfig)
-    kopf.configure(verbose=args.verbose, debug=args.debug)
+    setup_logging(args.log_format, verbose=args.verbose, debug=args.debug)
     config.load_config()  # type: ignore[no-untyped-call]
     wiring = build_wiring(args)
     registry = build_registry(args, wiring, extensions)

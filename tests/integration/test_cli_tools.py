@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,11 @@ def test_list_shows_every_step_per_tier_with_completeness_world_size_and_size(
     assert full["bytes"] == sum(tiers.pvc.get_manifest(JOB, 100, r).data_nbytes for r in (0, 1))
     half = got[("ram", JOB, 110)]
     assert half["complete"] is False and half["committed_ranks"] == [0]
+    # created: RFC 3339 in UTC (what log pipelines and `date -d` read), the manifest's time.
+    created = datetime.fromisoformat(full["created"])
+    assert isinstance(full["created"], str) and full["created"].endswith("+00:00")
+    oldest = min(tiers.gcs.get_manifest(JOB, 100, r).created.timestamp() for r in (0, 1))
+    assert abs(created.timestamp() - oldest) < 0.001  # milliseconds kept
 
     code, rows, _ = run(capsys, "list", *tiers.specs, "--job", "team-b.other")
     assert code == 0 and [(r["tier"], r["step"]) for r in rows] == [("gcs", 5)]

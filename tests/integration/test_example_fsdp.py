@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,90 @@ def test_fsdp_example_resumes_bit_identically_and_at_another_world_size(
     assert got["step"] == 15 and got["world"] == 4
     assert got["digest"] == one(resumed, "saved", 15)["digest"]
     assert any("resharded from world size 2 to 4" in n for n in got["notes"])
+
+
+def recipe(script: Path) -> tuple[dict[str, Any], list[list[str]]]:
+    """The outside-Kubernetes recipe in a script's docstring: its STRATA_CONFIG and the argument
+    lists of its ``torchrun``/``python`` lines."""
+    import shlex
+
+    config: dict[str, Any] | None = None
+    runs = []
+    for line in (script.read_text().split('"""')[1]).splitlines():
+        words = shlex.split(line.strip()) if line.startswith("    ") else []
+        if words[:1] == ["export"] and words[1].startswith("STRATA_CONFIG="):
+            config = json.loads(words[1].split("=", 1)[1])
+        elif words[:1] in (["torchrun"], ["python"]):
+            runs.append(words[words.index(f"examples/{script.name}") + 1 :])
+    assert config is not None and runs, "no recipe in the docstring"
+    return config, runs
+
+
+def test_fsdp_recipe_as_written_reaches_the_pvc_and_reshards_from_it(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Any
+) -> None:
+    """The docstring's recipe (sidecar + 2 ranks, then 4 ranks) with its own cadence, the
+    directories moved under the test's: PVC steps exist after the first run and the second
+    restores the newest of them at world size 4."""
+    from strata.config import StrataConfig
+    from strata.tiers.posix import PosixTier
+
+    raw, runs = recipe(TRAIN)
+    assert raw["pvc"]["every"]["steps"] == 10 and [r[:2] for r in runs] == [
+        ["--steps", "40"],
+        ["--steps", "50"],
+    ]
+    raw["ram"]["path"] = str(shm_dir / "ram")
+    raw["pvc"]["path"] = str(tmp_path / "pvc")
+    config = StrataConfig.parse(raw)
+    sidecar = sidecar_proc(config, wait=False)  # metrics_port 0: no /healthz, wait for the log
+    deadline = time.monotonic() + 120
+    while not any(e.get("event") == "ready" for e in sidecar.log_events()):
+        assert sidecar.proc.poll() is None and time.monotonic() < deadline, sidecar.logs()
+        time.sleep(0.1)
+    env = {"STRATA_CONFIG": json.dumps(raw)}
+    first = launch_with(2, env, *runs[0])
+    pvc = PosixTier(raw["pvc"]["path"], "pvc")
+    # The newest step at or past 30 (the last multiple of 10 the run reached) is promoted.
+    deadline = time.monotonic() + 120
+    while max(pvc.list_steps(config.job_id), default=-1) < 30:
+        assert time.monotonic() < deadline, (pvc.list_steps(config.job_id), sidecar.logs())
+        time.sleep(0.2)
+    newest = max(pvc.list_steps(config.job_id))
+    assert len(pvc.list_steps(config.job_id)) <= 2  # keep: 2
+    wider = launch_with(4, env, *runs[1])
+    got = one(wider, "restored")
+    assert got["step"] == newest and got["world"] == 4
+    assert got["digest"] == one(first, "saved", newest)["digest"]
+    assert one(wider, "done")["step"] == 49
+    assert sidecar.terminate() == 0
+
+
+def launch_with(world: int, extra_env: dict[str, str], *args: str) -> list[dict[str, Any]]:
+    """Run the example as ``world`` gloo ranks configured by ``extra_env`` only; rank 0's events."""
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+        env.update(
+            extra_env,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(TRAIN), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = [(p, *p.communicate(timeout=600)) for p in procs]
+    for p, _, err in outs:
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads(line) for line in outs[0][1].splitlines() if line.startswith("{")]

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,3 +85,42 @@ def test_without_a_checkpoint_or_permission_to_start_fresh_it_refuses(
     )
     assert proc.returncode != 0
     assert "no restorable checkpoint" in proc.stderr and "allowFreshStart" in proc.stderr
+
+
+def test_recipe_as_written_reaches_the_pvc(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Any
+) -> None:
+    """The docstring's recipe (a sidecar and one run with its own cadence; the directories moved
+    under the test's) leaves the PVC steps it promises."""
+    from strata.config import StrataConfig
+    from strata.tiers.posix import PosixTier
+    from tests.integration.test_example_fsdp import recipe
+
+    raw, runs = recipe(TRAIN)
+    assert raw["pvc"]["every"]["steps"] == 10 and runs == [["--steps", "50", "--allow-fresh-start"]]
+    raw["ram"]["path"] = str(shm_dir / "ram")
+    raw["pvc"]["path"] = str(tmp_path / "pvc")
+    config = StrataConfig.parse(raw)
+    sidecar = sidecar_proc(config, wait=False)  # metrics_port 0: no /healthz, wait for the log
+    deadline = time.monotonic() + 120
+    while not any(e.get("event") == "ready" for e in sidecar.log_events()):
+        assert sidecar.proc.poll() is None and time.monotonic() < deadline, sidecar.logs()
+        time.sleep(0.1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+    env["STRATA_CONFIG"] = json.dumps(raw)
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), *runs[0]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pvc = PosixTier(raw["pvc"]["path"], "pvc")
+    # The newest step at or past 40 (the last multiple of 10 the run reached) is promoted.
+    deadline = time.monotonic() + 120
+    while max(pvc.list_steps(config.job_id), default=-1) < 40:
+        assert time.monotonic() < deadline, (pvc.list_steps(config.job_id), sidecar.logs())
+        time.sleep(0.2)
+    assert len(pvc.list_steps(config.job_id)) <= 2  # keep: 2
+    assert sidecar.terminate() == 0

@@ -122,6 +122,21 @@ def test_rwo_pvc_is_ready_but_degraded() -> None:
     assert "ReadWriteMany" in out.degraded.message
 
 
+def test_pending_pvc_is_degraded_and_ready_says_so() -> None:
+    """Ready stays True (a WaitForFirstConsumer claim binds only when the first pod, which a
+    not-Ready policy would refuse, mounts it), its message and Degraded say the PVC is Pending."""
+    facts = Facts(pvc=PvcFact(found=True, phase="Pending", access_modes=("ReadWriteMany",)))
+    out = evaluate(spec_of(PolicyBuilder().pvc("ckpt")), facts, "team-a")
+    assert out.ready.status == "True" and "PVC is Pending" in out.ready.message
+    assert (out.degraded.status, out.degraded.reason) == ("True", k.REASON_PVC_PENDING)
+    assert "'ckpt'" in out.degraded.message and "kubectl describe pvc ckpt -n team-a" in (
+        out.degraded.message
+    )
+    bound = Facts(pvc=PvcFact(found=True, phase="Bound", access_modes=("ReadWriteMany",)))
+    out = evaluate(spec_of(PolicyBuilder().pvc("ckpt")), bound, "team-a")
+    assert out.degraded.status == "False" and "Pending" not in out.ready.message
+
+
 def test_lost_pvc_is_not_ready() -> None:
     facts = Facts(pvc=PvcFact(found=True, phase="Lost", access_modes=("ReadWriteMany",)))
     out = evaluate(spec_of(PolicyBuilder().pvc("ckpt")), facts, "team-a")

@@ -128,6 +128,20 @@ def test_operator_image_runs_strata_operator_without_torch() -> None:
         assert "torch" not in run.replace("import torch", ""), run
 
 
+def test_operator_image_exposes_the_ports_the_chart_and_the_flags_use() -> None:
+    import yaml
+
+    from strata_operator import main
+
+    stages = parse(ROOT / "operator" / "Dockerfile")
+    exposed = {int(p.split("/")[0]) for a in stages[-1].args("EXPOSE") for p in a.split()}
+    ports = yaml.safe_load((ROOT / "charts" / "strata" / "values.yaml").read_text())["ports"]
+    assert exposed == set(ports.values()), (exposed, ports)
+    # The operator's own defaults agree with the chart for the ports that have one.
+    args = main.build_parser().parse_args([])
+    assert {args.webhook_port, args.report_port, args.metrics_port} <= exposed
+
+
 def test_build_context_excludes_the_virtualenv_and_git() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored

@@ -40,6 +40,10 @@ FREE_FORM = {
     "nodeSelector",
     "affinity",
     "metrics.serviceMonitor.labels",
+    "metrics.podMonitor.labels",
+    "metrics.prometheusRule.labels",
+    "metrics.prometheusRule.alertLabels",
+    "metrics.grafanaDashboard.labels",
 }
 # Item schemas of list values (a default of [] says nothing about its items).
 LIST_ITEMS: dict[str, dict[str, Any]] = {
@@ -52,11 +56,16 @@ LIST_ITEMS: dict[str, dict[str, Any]] = {
     "operator.extraArgs": {"type": "string"},
     "tolerations": {"type": "object"},
     "webhook.excludedNamespaces": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+    "metrics.podMonitor.namespaces": {
+        "type": "string",
+        "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+    },
 }
 PORT = {"minimum": 1, "maximum": 65535}
 CONSTRAINTS: dict[str, dict[str, Any]] = {
     "image.pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
     "operator.logLevel": {"enum": ["info", "verbose", "debug"]},
+    "operator.logFormat": {"enum": ["json", "text"]},
     "ports.webhook": PORT,
     "ports.reports": PORT,
     "ports.health": PORT,
@@ -72,6 +81,9 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "livenessProbe.timeoutSeconds": {"minimum": 1},
     "livenessProbe.failureThreshold": {"minimum": 1},
     "terminationGracePeriodSeconds": {"minimum": 0},
+    "metrics.prometheusRule.noDurableStepMinutes": {"minimum": 1},
+    "metrics.prometheusRule.promotionSlowSeconds": {"minimum": 1},
+    "metrics.prometheusRule.saveStallSeconds": {"exclusiveMinimum": 0},
 }
 
 KEY = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_][A-Za-z0-9_]*):")

@@ -9,9 +9,11 @@
     kubectl strata verify job JOB [-n NS] [--step S] run `strata verify` where the data is: a Job in
                                                      the namespace mounting the policy's PVC (and
                                                      reading its GCS bucket), then its result
+    kubectl strata version [--client]                this plugin's version and the operator's in
+                                                     the cluster (a minor-version skew is flagged)
 
 Common flags: ``--kubeconfig``, ``--context``, ``-n/--namespace``, ``-A/--all-namespaces``,
-``-o table|json|yaml``. Installed with the package (``pip install 'strata[operator]'``: it needs
+``-o table|json|yaml``. Installed with the package (``pip install 'strata-checkpoint[operator]'``: it needs
 the Kubernetes client); never imports torch (this package's import contract).
 
 Rule: an entry point beside :mod:`strata_operator.main`: it reads the cluster and the API models
@@ -60,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="kubectl strata",
-        description="Strata checkpoints on Kubernetes: status, describe, verify",
+        description="Strata checkpoints on Kubernetes: status, describe, verify, version",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -87,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     ve.add_argument("--service-account", help="service account of the Job (GCS credentials)")
     ve.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
     ve.add_argument("--no-wait", action="store_true", help="create the Job and print its name")
+
+    vn = sub.add_parser(
+        "version", parents=[common], help="this plugin's and the operator's version"
+    )
+    vn.add_argument("--client", action="store_true", help="only this plugin's (no cluster)")
     return parser
 
 
@@ -106,6 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from strata_operator.kubectl.cluster import Cluster
 
+    if args.command == "version" and args.client:
+        from strata_operator.kubectl.version import client_doc, print_version
+
+        print_version(client_doc(), args.output)
+        return EXIT_OK
     try:
         cluster = Cluster.connect(args.kubeconfig, args.context)
         with cluster:
@@ -117,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from strata_operator.kubectl.status import describe
 
                 return describe(cluster, args)
+            if args.command == "version":
+                from strata_operator.kubectl.version import version
+
+                return version(cluster, args)
             from strata_operator.kubectl.verify import verify
 
             return verify(cluster, args)

@@ -172,6 +172,7 @@ def evaluate(
             )
         )
     degraded: list[tuple[str, str]] = []
+    pending = False
     pvc = spec.tiers.pvc
     if pvc is not None and facts.pvc is not None:
         claim = f"PersistentVolumeClaim {pvc.claim_name!r} in namespace {namespace!r}"
@@ -189,6 +190,19 @@ def evaluate(
                     k.REASON_PVC_LOST,
                     f"{claim} is Lost (its volume is gone); recreate the claim",
                     retry_after=dependency_retry,
+                )
+            )
+        if facts.pvc.phase == "Pending":
+            # Still Ready: with volumeBindingMode WaitForFirstConsumer the claim binds only once
+            # a pod mounts it, and a not-Ready policy would refuse that very pod.
+            pending = True
+            degraded.append(
+                (
+                    k.REASON_PVC_PENDING,
+                    f"{claim} is Pending (not bound to a volume yet): nothing can be promoted to "
+                    "the PVC tier until it binds. A WaitForFirstConsumer StorageClass binds it "
+                    "when the first pod mounts it; otherwise see kubectl describe pvc "
+                    f"{pvc.claim_name} -n {namespace} (provisioner, capacity, StorageClass)",
                 )
             )
         if "ReadWriteMany" not in facts.pvc.access_modes:
@@ -229,6 +243,8 @@ def evaluate(
                 )
             )
     tiers = ", ".join(spec.configured_tiers())
+    if pending:
+        tiers += " (the PVC is Pending: see Degraded)"
     ready = c.NewCondition(k.READY, "True", k.REASON_RECONCILED, f"policy is valid; tiers: {tiers}")
     if degraded:
         reason = degraded[0][0]

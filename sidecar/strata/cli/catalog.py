@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.cli import output
 from strata.cli.locations import Location, NotFound, UsageError
 from strata.config import TIER_ORDER
 from strata.errors import ShardCorrupt, TierError
@@ -26,7 +27,10 @@ from strata.tiers.base import StepListing, Tier
 
 
 def step_row(loc: Location, job: str, listing: StepListing) -> dict[str, Any]:
-    """One row of ``strata list``: a step of ``job`` in ``loc`` (reads its manifests)."""
+    """One row of ``strata list``: a step of ``job`` in ``loc`` (reads its manifests).
+
+    ``created``: when the step's oldest shard was written, RFC 3339 in UTC (the directory's
+    mtime when no manifest is readable)."""
     manifests: list[Manifest] = []
     unreadable: list[str] = []
     for r in sorted(listing.committed_ranks):
@@ -51,7 +55,7 @@ def step_row(loc: Location, job: str, listing: StepListing) -> dict[str, Any]:
         # issue 18: what the copies hold (archive-only components; incremental base steps)
         "archive_only": sorted({c for m in manifests for c in (m.components or [])}) or None,
         "refs_base_steps": sorted({m.refs.base_step for m in manifests if m.refs}) or None,
-        "created": created,
+        "created": None if created is None else output.rfc3339(created),
         "problems": unreadable,
     }
 

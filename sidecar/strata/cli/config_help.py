@@ -30,6 +30,8 @@ from strata.config import StrataConfig
 _NOT_IN_MODEL = {
     constants.ENV_RESTORE_RESHARD: "read by the training client: 1 lets restore() reshard a step "
     "written at another world size",
+    constants.ENV_ALLOW_DISK_RAM_DIR: "1 accepts the default RAM directory on a disk outside "
+    "Kubernetes (a warning instead of the refusal)",
 }
 
 
@@ -182,7 +184,9 @@ def sidecar_help() -> str:
             "",
             "Outside Kubernetes, start it next to the trainer with the trainer's configuration:",
             f"  {constants.ENV_CONFIG}='{example}' strata sidecar",
-            "The RAM tier path should be on a tmpfs (e.g. /dev/shm); the metrics port",
+            "The RAM tier path must be on a tmpfs (e.g. /dev/shm): the default /strata/ram on a",
+            f"disk is refused outside Kubernetes ({constants.ENV_ALLOW_DISK_RAM_DIR}=1 accepts it),",
+            "any other directory on a disk gets a warning. The metrics port",
             "(metrics_port, default 9464) must be free: give each sidecar on a host its own,",
             "or 0 to disable /metrics.",
         ]

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from rich.console import Console
@@ -47,8 +48,16 @@ def human_age(seconds: float | None) -> str:
     return f"{s}s"
 
 
-def age_of(timestamp: float | None) -> float | None:
+def age_of(timestamp: float | str | None) -> float | None:
+    """Seconds since ``timestamp`` (epoch seconds or RFC 3339); None for None."""
+    if isinstance(timestamp, str):
+        timestamp = datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
     return None if timestamp is None else time.time() - timestamp
+
+
+def rfc3339(timestamp: float) -> str:
+    """Epoch seconds as RFC 3339 in UTC with milliseconds: ``2026-12-02T15:11:12.345+00:00``."""
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
 
 
 def stdout() -> Console:

@@ -66,6 +66,7 @@ from strata.constants import ENV_RESTORE_RESHARD
 from strata.errors import ConfigError
 from strata.protocol import ClientEvent
 from strata.tiers.base import Tier
+from strata.tiers.medium import check_ram_medium
 from strata.tiers.ram import RamTier
 from strata.tiers.slots import LocalSlotProvider, ReuseFirstSlotProvider, SlotProvider
 
@@ -130,6 +131,8 @@ class Checkpointer:
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
         self.writer_id = f"{self.config.pod_writer_id}/rank-{self.rank}"
+        # A RAM directory on a disk is refused outside Kubernetes (strata.tiers.medium).
+        check_ram_medium(self.config.ram.path, who="Checkpointer")
         # Training waits for a restore: verify a RAM shard with every core (CRC32C is CPU-bound
         # on tmpfs; the chunk CRCs combine into the whole-object CRC without a second pass).
         self.ram = RamTier(

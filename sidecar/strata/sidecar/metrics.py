@@ -17,8 +17,15 @@ strata_stage_total                                     counter    tier, outcome
 strata_stage_duration_seconds                          histogram  tier
 strata_checksum_mismatches_total                       counter    tier
 strata_retention_deleted_steps_total                   counter    tier, reason
+strata_tier_too_small                                  gauge      tier
 strata_reports_dropped_total                           counter
+strata_flush_seconds_needed                            gauge      (NaN until measured)
+strata_flush_budget_seconds                            gauge
 =====================================================  =========  ==============================
+
+The two ``strata_flush_*`` gauges are the termination flush estimate
+(:class:`strata.reports.FlushEstimate`): a flush of the current state would need more than
+the budget (the grace period minus the sidecar's margin) when needed > budget.
 """
 
 from __future__ import annotations
@@ -116,6 +123,17 @@ class Metrics:
         self.reports_dropped = Counter(
             "strata_reports_dropped",
             "Operator reports dropped (queue full or retries exhausted)",
+            registry=r,
+        )
+        self.flush_seconds_needed = Gauge(
+            "strata_flush_seconds_needed",
+            "Seconds a termination flush of the current state would take at the measured "
+            "promotion throughput (NaN until a promotion was measured)",
+            registry=r,
+        )
+        self.flush_budget_seconds = Gauge(
+            "strata_flush_budget_seconds",
+            "Seconds the termination flush may take: the grace period minus the sidecar's margin",
             registry=r,
         )
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import signal
 import threading
 import time
@@ -58,6 +59,7 @@ from strata.sidecar.termination import (
 )
 from strata.tiers.base import Tier
 from strata.tiers.configured import durable_tiers, in_restore_order
+from strata.tiers.medium import check_ram_medium
 from strata.tiers.ram import RamTier
 
 log = logging.getLogger("strata.sidecar")
@@ -84,6 +86,7 @@ class Sidecar:
         self.config = config
         self.policies = tier_policies(config)  # PolicyError names a conflicting setting
         self.writer_id = config.pod_writer_id
+        check_ram_medium(config.ram.path, who="strata sidecar")
         self.ram = RamTier(config.ram.path, keep=config.ram.keep)
         # Retried GCS calls give up after a minute: the next round retries anyway, and a tier
         # lock held for GCS's default two minutes would delay retention and reports.
@@ -95,6 +98,10 @@ class Sidecar:
         )
         grace = config.termination_grace_seconds
         self.flush_meter = FlushMeter(self.engine.fastest_durable(), grace, TERM_MARGIN_SECONDS)
+        self.metrics.flush_seconds_needed.set_function(
+            lambda: _nan_if_none(self.flush_meter.estimate().seconds_needed)
+        )
+        self.metrics.flush_budget_seconds.set(self.flush_meter.budget_seconds)
         self.termination = TerminationFlush(
             self.engine, grace, TERM_MARGIN_SECONDS, on_outcome=self._on_flush
         )
@@ -461,3 +468,7 @@ def _politely(body: Callable[..., None]) -> Callable[..., None]:
         body(*args)
 
     return run
+
+
+def _nan_if_none(value: float | None) -> float:
+    return math.nan if value is None else value
