@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -923,11 +924,14 @@ def restore_figures(world: int, keep: int, scratch: Path) -> dict[str, Any]:
     collect = time.perf_counter() - t0
     d = inv.to_dict()
     inv_bytes = len(json.dumps(d).encode())
-    invs = []
-    for r in range(world):
-        d2 = dict(d)
-        d2["rank"] = r
-        invs.append(RankInventory.from_dict(d2))
+    # Every rank's inventory lists the whole shared tier, so W parsed inventories are O(W^2)
+    # objects (at W=16,384: ~16 GB of frozensets). The planner gets W inventories that share
+    # one parsed listing (it only reads them); the parse a rank does of the W gathered
+    # inventories is timed on one and multiplied (``gathered_parse_seconds_per_rank``).
+    t0 = time.perf_counter()
+    base = RankInventory.from_dict(json.loads(json.dumps(d)))
+    parse_one = time.perf_counter() - t0
+    invs = [dataclasses.replace(base, rank=r) for r in range(world)]
     t0 = time.perf_counter()
     plan = plan_restore(invs, world)
     plan_s = time.perf_counter() - t0
@@ -938,6 +942,8 @@ def restore_figures(world: int, keep: int, scratch: Path) -> dict[str, Any]:
         "inventory_all_gather_bytes": inv_bytes * world,
         "inventory_collect_seconds": round(collect, 4),
         "inventory_requests": {k: getattr(view.c, k) for k in KINDS},
+        "inventory_parse_seconds": round(parse_one, 5),
+        "gathered_parse_seconds_per_rank": round(parse_one * world, 2),
         "plan_seconds": round(plan_s, 4),
         "plan_step": None if plan is None else plan.step,
         "commit_json_bytes": len(raw),
@@ -994,8 +1000,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--posix", default="64,256,1024", help="world sizes on a real directory")
     p.add_argument("--gcs", default="64,256", help="world sizes on fake-gcs-server")
-    p.add_argument("--memory", default="64,1024,4096,16384", help="world sizes in memory")
-    p.add_argument("--restore", default="1024,16384", help="world sizes for restore figures")
+    p.add_argument("--memory", default="64,256,1024,4096,16384", help="world sizes in memory")
+    p.add_argument("--restore", default="1024,4096,16384", help="world sizes for restore figures")
     p.add_argument("--label", default="", help="a name for this run (e.g. before/after)")
     args = p.parse_args(argv)
 
@@ -1007,7 +1013,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with small_slots(args.slot_bytes), shared_commit_parses():
             _sweep(args, sizes, scratch, runs)
-        restore = {str(w): restore_figures(w, args.keep, scratch) for w in sizes(args.restore)}
+        restore = {}
+        for w in sizes(args.restore):
+            restore[str(w)] = rf = restore_figures(w, args.keep, scratch)
+            print(
+                f"restore W={w:6} inventory/rank={rf['inventory_bytes_per_rank']} B"
+                f" (all-gathered {rf['inventory_all_gather_bytes'] / 2**20:.0f} MiB, parsed by"
+                f" each rank in ~{rf['gathered_parse_seconds_per_rank']} s)"
+                f" plan={rf['plan_seconds']} s commit.json={rf['commit_json_bytes']} B"
+                f" parsed in {rf['commit_json_parse_seconds']} s"
+                f" rss peak={peak_rss_bytes() / 2**20:.0f} MiB",
+                flush=True,
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result: dict[str, Any] = {
