@@ -11,7 +11,9 @@ from bench.goodput import Level, Scenario, goodput, intervals, mtbf_seconds
 MIX = {"node_local": 0.25, "node_loss": 0.75}
 
 
-def one_level(cost: float, restore: float = 0.0, latency: float = 0.0, floor: float = 0.0):
+def one_level(
+    cost: float, restore: float = 0.0, latency: float = 0.0, floor: float = 0.0
+) -> Scenario:
     lv = Level("disk", cost, latency, restore, floor)
     return Scenario("one", {"disk": lv}, dict.fromkeys(MIX, "disk"))
 
