@@ -11,7 +11,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
 .PHONY: maps help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
-        manifests manifests-check dist chart bench bench-sharded bench-smoke scale-data tools node-prereqs images cluster-up cluster-down scale clean chaos
+        manifests manifests-check dist chart bench bench-sharded bench-smoke scale-data goodput tools node-prereqs images cluster-up cluster-down scale clean chaos
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -103,6 +103,9 @@ scale: $(STAMP) tools ## scale check, not in `make test`: 1,000 kwok nodes, a 1,
 
 scale-data: $(STAMP) ## data-plane scale simulation: tier requests per sidecar per step, W up to 16,384 -> bench/results/scale-data.json
 	$(BIN)/python -m bench.scale_data $(SCALE_DATA_ARGS)
+
+goodput: $(STAMP) ## goodput at 1,024 / 4,096 / 16,384 accelerators (Llama 3 failure rate) from bench/results/*.json
+	$(BIN)/python -m bench.goodput $(GOODPUT_ARGS)
 
 bench: $(STAMP) ## benchmarks with side-by-side ratios -> bench/results/
 	$(BIN)/python -m bench.run $(BENCH_ARGS)

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import platform
+import resource
 import shutil
 import sys
 import tempfile
@@ -57,6 +59,7 @@ from strata.format.commit import StepCommit
 from strata.format.crc import chunk_crcs
 from strata.format.manifest import Manifest, StorageEntry
 from strata.sidecar.promotion.round import PromotionEngine
+from strata.tiers import slots as slots_mod
 from strata.tiers.base import InPlaceShard, StepListing, Tier, parse_manifest
 from strata.tiers.posix import PosixTier
 from strata.tiers.ram import RamTier
@@ -81,12 +84,14 @@ class Counts:
     """Objects returned by listings (the metadata server's work on POSIX)."""
     meta_bytes: int = 0
     """Bytes of manifests and records written."""
+    read_bytes: int = 0
+    """Bytes of records read (commit records, manifests read raw, incarnation records)."""
 
     def total(self) -> int:
         return self.list + self.get + self.put + self.delete
 
     def add(self, other: Counts) -> None:
-        for k in (*KINDS, "listed", "meta_bytes"):
+        for k in (*KINDS, "listed", "meta_bytes", "read_bytes"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
@@ -196,8 +201,11 @@ class CountingTier(Tier):
         return out
 
     def read_record(self, key: str) -> bytes | None:
-        self._n("get")
-        return self.inner.read_record(key)
+        out = self.inner.read_record(key)
+        with self._lock:
+            self.c.get += 1
+            self.c.read_bytes += len(out or b"")
+        return out
 
     def create_record(self, key: str, payload: bytes) -> bool:
         self._n("put", meta=len(payload))
@@ -490,6 +498,74 @@ class HttpCounter:
         session.request = request
 
 
+# -- memory: small RAM slots, peak RSS, /dev/shm use ---------------------------------------------
+
+
+@contextlib.contextmanager
+def shared_commit_parses(size: int = 32) -> Iterator[None]:
+    """Parse each distinct commit record once for the whole process while the simulation runs.
+
+    Every sidecar still reads the record (counted, with its bytes) and gets the same frozen
+    :class:`StepCommit` the real parser returns; only the repeated parse is shared. Without
+    this, N sidecars in one process each parsing an O(W) record is O(N W) CPU and memory here
+    (at W=4,096: 3.7 GB RSS, 13x the time of W=1,024), whereas on a real job each sidecar
+    parses in its own process: that per-sidecar cost is the restore figures'
+    ``commit_json_parse_seconds``."""
+    assert "from_bytes" not in StepCommit.__dict__  # inherited from SealedRecord
+    parse = StepCommit.from_bytes
+    cache: dict[bytes, StepCommit] = {}
+
+    def from_bytes(cls: type[StepCommit], raw: bytes, where: str) -> StepCommit:
+        hit = cache.get(raw)
+        if hit is None:
+            hit = parse(raw, where)
+            if len(cache) >= size:
+                cache.pop(next(iter(cache)))
+            cache[bytes(raw)] = hit
+        return hit
+
+    StepCommit.from_bytes = classmethod(from_bytes)  # type: ignore[assignment, method-assign]
+    try:
+        yield
+    finally:
+        del StepCommit.from_bytes
+
+
+@contextlib.contextmanager
+def small_slots(nbytes: int) -> Iterator[None]:
+    """Round RAM slot files to ``nbytes`` instead of the runtime's whole MiB while the simulation
+    runs. The RAM tier is the real one (slots, hard links, manifests on tmpfs); only its slot
+    rounding changes, so each simulated rank's ring holds a page instead of ``keep + 1`` MiB
+    (at W=16,384 the MiB rounding alone is 32 GiB of tmpfs)."""
+    saved = slots_mod.SLOT_ALIGN
+    slots_mod.SLOT_ALIGN = nbytes
+    try:
+        yield
+    finally:
+        slots_mod.SLOT_ALIGN = saved
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def tmpfs_bytes(root: Path) -> int:
+    """Bytes ``root``'s files occupy on their file system (allocated blocks, each inode once)."""
+    seen: set[int] = set()
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_blocks * 512
+    return total
+
+
 # -- the simulated job ---------------------------------------------------------------------------
 
 
@@ -555,6 +631,7 @@ def simulate(
     shard_bytes: int,
     scratch: Path,
     gcs: Any = None,
+    shm_budget: int | None = None,
 ) -> dict[str, Any]:
     """Run ``steps`` checkpoint steps of a job of ``world`` ranks; returns the per-step figures
     of the steps after the first ``keep + 1`` (steady state: retention deletes every step)."""
@@ -607,11 +684,19 @@ def simulate(
             nodes.append(Node(ram, provider, ranks, view, engine, http))
         reader = nodes[0].view.inner
         per_step: list[dict[str, Any]] = []
+        shm_peak = 0
         for k in range(1, steps + 1):
             step = k * 10
             for node in nodes:
                 for r in node.ranks:
                     _write_ram(node.ram, node.provider, step, r, world, shard_bytes, ranks_per_node)
+            shm_peak = max(shm_peak, tmpfs_bytes(shm))
+            if shm_budget is not None and shm_peak > shm_budget:
+                raise SystemExit(
+                    f"Strata bench: the simulated RAM tiers use {shm_peak} bytes of {shm}, over "
+                    f"the budget of {shm_budget}; lower --slot-bytes or W, or raise "
+                    "--shm-budget-mib"
+                )
             before = [_snapshot(node) for node in nodes]
             rounds = 0
             committed_at = None
@@ -641,6 +726,8 @@ def simulate(
             [s for s, e in reader.list_steps(JOB).items() if e.has_commit]
         )
         out["steps_left"] = sorted(reader.list_steps(JOB))
+        out["shm_peak_bytes"] = shm_peak
+        out["rss_peak_bytes"] = peak_rss_bytes()
         return out
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -734,7 +821,7 @@ class _WriterView(Tier):
 
 def _snapshot(node: Node) -> dict[str, int]:
     c = node.view.c
-    snap = {k: getattr(c, k) for k in (*KINDS, "listed", "meta_bytes")}
+    snap = {k: getattr(c, k) for k in (*KINDS, "listed", "meta_bytes", "read_bytes")}
     if node.http is not None:
         snap.update({f"http_{k}": node.http.c[k] for k in KINDS})
     return snap
@@ -766,6 +853,7 @@ def _summarise(per_step: list[dict[str, Any]], n_nodes: int, world: int) -> dict
         "by_kind_total": {k: round(total[k], 1) for k in KINDS},
         "objects_listed_per_sidecar": round(per_sidecar_mean["listed"], 1),
         "metadata_bytes_total": round(total["meta_bytes"]),
+        "record_bytes_read_per_sidecar": round(per_sidecar_mean["read_bytes"]),
         "commit_round": [s["commit_round"] for s in per_step],
         "seconds_per_step": [s["seconds"] for s in per_step],
     }
@@ -836,11 +924,14 @@ def restore_figures(world: int, keep: int, scratch: Path) -> dict[str, Any]:
     collect = time.perf_counter() - t0
     d = inv.to_dict()
     inv_bytes = len(json.dumps(d).encode())
-    invs = []
-    for r in range(world):
-        d2 = dict(d)
-        d2["rank"] = r
-        invs.append(RankInventory.from_dict(d2))
+    # Every rank's inventory lists the whole shared tier, so W parsed inventories are O(W^2)
+    # objects (at W=16,384: ~16 GB of frozensets). The planner gets W inventories that share
+    # one parsed listing (it only reads them); the parse a rank does of the W gathered
+    # inventories is timed on one and multiplied (``gathered_parse_seconds_per_rank``).
+    t0 = time.perf_counter()
+    base = RankInventory.from_dict(json.loads(json.dumps(d)))
+    parse_one = time.perf_counter() - t0
+    invs = [dataclasses.replace(base, rank=r) for r in range(world)]
     t0 = time.perf_counter()
     plan = plan_restore(invs, world)
     plan_s = time.perf_counter() - t0
@@ -851,6 +942,8 @@ def restore_figures(world: int, keep: int, scratch: Path) -> dict[str, Any]:
         "inventory_all_gather_bytes": inv_bytes * world,
         "inventory_collect_seconds": round(collect, 4),
         "inventory_requests": {k: getattr(view.c, k) for k in KINDS},
+        "inventory_parse_seconds": round(parse_one, 5),
+        "gathered_parse_seconds_per_rank": round(parse_one * world, 2),
         "plan_seconds": round(plan_s, 4),
         "plan_step": None if plan is None else plan.step,
         "commit_json_bytes": len(raw),
@@ -893,10 +986,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--shard-bytes", type=int, default=256)
+    p.add_argument(
+        "--slot-bytes",
+        type=int,
+        default=4096,
+        help="RAM slot rounding in the simulation (the runtime's is 1 MiB; see small_slots)",
+    )
+    p.add_argument(
+        "--shm-budget-mib",
+        type=int,
+        default=2048,
+        help="stop if the simulated RAM tiers use more of /dev/shm than this",
+    )
     p.add_argument("--posix", default="64,256,1024", help="world sizes on a real directory")
     p.add_argument("--gcs", default="64,256", help="world sizes on fake-gcs-server")
-    p.add_argument("--memory", default="64,1024,4096,16384", help="world sizes in memory")
-    p.add_argument("--restore", default="1024,16384", help="world sizes for restore figures")
+    p.add_argument("--memory", default="64,256,1024,4096,16384", help="world sizes in memory")
+    p.add_argument("--restore", default="1024,4096,16384", help="world sizes for restore figures")
     p.add_argument("--label", default="", help="a name for this run (e.g. before/after)")
     args = p.parse_args(argv)
 
@@ -906,15 +1011,20 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="scale-data-"))
     runs: dict[str, dict[str, Any]] = {}
     try:
-        for w in sizes(args.posix):
-            runs[f"posix/{w}"] = _one("posix", w, args, scratch)
-        if sizes(args.gcs):
-            with _emulator() as emu:
-                for w in sizes(args.gcs):
-                    runs[f"gcs/{w}"] = _one("gcs", w, args, scratch, emu)
-        for w in sizes(args.memory):
-            runs[f"memory/{w}"] = _one("memory", w, args, scratch)
-        restore = {str(w): restore_figures(w, args.keep, scratch) for w in sizes(args.restore)}
+        with small_slots(args.slot_bytes), shared_commit_parses():
+            _sweep(args, sizes, scratch, runs)
+        restore = {}
+        for w in sizes(args.restore):
+            restore[str(w)] = rf = restore_figures(w, args.keep, scratch)
+            print(
+                f"restore W={w:6} inventory/rank={rf['inventory_bytes_per_rank']} B"
+                f" (all-gathered {rf['inventory_all_gather_bytes'] / 2**20:.0f} MiB, parsed by"
+                f" each rank in ~{rf['gathered_parse_seconds_per_rank']} s)"
+                f" plan={rf['plan_seconds']} s commit.json={rf['commit_json_bytes']} B"
+                f" parsed in {rf['commit_json_parse_seconds']} s"
+                f" rss peak={peak_rss_bytes() / 2**20:.0f} MiB",
+                flush=True,
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result: dict[str, Any] = {
@@ -929,6 +1039,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "keep": args.keep,
             "shard_bytes": args.shard_bytes,
+            "slot_bytes": args.slot_bytes,
             "list_page_objects": PAGE,
         },
         # Keyed by W: the in-memory tier where it ran (every W), else the real tier's figure;
@@ -938,6 +1049,9 @@ def main(argv: list[str] | None = None) -> int:
         "requests_total_per_step": _by_world(runs, "requests_total"),
         "commit_latency_rounds": _by_world(runs, "commit_round"),
         "metadata_bytes_per_step": _by_world(runs, "metadata_bytes_total"),
+        "record_bytes_read_per_sidecar_per_step": _by_world(runs, "record_bytes_read_per_sidecar"),
+        "shm_peak_bytes": _by_world(runs, "shm_peak_bytes"),
+        "rss_peak_bytes": _by_world(runs, "rss_peak_bytes"),
         "by_backend": {
             "requests_per_sidecar_per_step": {
                 k: v["requests_per_sidecar"] for k, v in runs.items()
@@ -957,6 +1071,22 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def _sweep(
+    args: argparse.Namespace,
+    sizes: Callable[[str], list[int]],
+    scratch: Path,
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    for w in sizes(args.posix):
+        runs[f"posix/{w}"] = _one("posix", w, args, scratch)
+    if sizes(args.gcs):
+        with _emulator() as emu:
+            for w in sizes(args.gcs):
+                runs[f"gcs/{w}"] = _one("gcs", w, args, scratch, emu)
+    for w in sizes(args.memory):
+        runs[f"memory/{w}"] = _one("memory", w, args, scratch)
 
 
 def _by_world(runs: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
@@ -993,6 +1123,7 @@ def _one(
         shard_bytes=args.shard_bytes,
         scratch=scratch,
         gcs=gcs,
+        shm_budget=args.shm_budget_mib * 1024 * 1024,
     )
     r["wall_seconds"] = round(time.perf_counter() - t0, 1)
     extra = f" http={r['http_requests_per_sidecar']}" if "http_requests_per_sidecar" in r else ""
@@ -1000,7 +1131,9 @@ def _one(
         f"{backend:6} W={w:6} N={r['sidecars']:5} req/sidecar/step={r['requests_per_sidecar']:9.1f}"
         f" (max {r['requests_per_sidecar_max']}) total={r['requests_total']:11.0f}"
         f" {r['by_kind_per_sidecar']} listed/sidecar={r['objects_listed_per_sidecar']}"
-        f" commit_round={r['commit_round']}{extra} [{r['wall_seconds']}s]",
+        f" commit_round={r['commit_round']}{extra}"
+        f" read/sidecar={r['record_bytes_read_per_sidecar'] / 1024:.0f} KiB /dev/shm peak={r['shm_peak_bytes'] / 2**20:.1f}"
+        f" MiB rss peak={r['rss_peak_bytes'] / 2**20:.0f} MiB [{r['wall_seconds']}s]",
         flush=True,
     )
     return r

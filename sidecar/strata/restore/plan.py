@@ -130,6 +130,15 @@ def shard_sources(
             return False
         return incarnation is None or _inc(inv, t, step) == incarnation
 
+    # A shared tier serves rank r when any inventory holds r there: one union per tier (every
+    # rank lists the whole shared tier, so testing each rank against each inventory is O(W^2)).
+    served: dict[str, set[int]] = {}
+    for t in order:
+        if t not in local_tiers:
+            served[t] = set()
+            for inv in inventories:
+                if incarnation is None or _inc(inv, t, step) == incarnation:
+                    served[t].update(inv.committed.get(t, {}).get(step, frozenset()))
     out: dict[int, tuple[str, ...]] = {}
     for r in range(world_size):
         tiers = []
@@ -140,7 +149,7 @@ def shard_sources(
             elif own is not None and step in own.unusable.get(t, frozenset()):
                 ok = False  # the rank found its own shard there is not the committed one
             else:
-                ok = any(holds(inv, t, r) for inv in inventories)
+                ok = r in served[t]
             if ok:
                 tiers.append(t)
         out[r] = tuple(tiers)
