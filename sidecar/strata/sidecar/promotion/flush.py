@@ -74,6 +74,12 @@ def flush(engine: PromotionEngine, deadline: float) -> FlushResult:
                     return FlushResult(
                         tier, step, durable_step, ok=True, message="promoted", nbytes=nbytes
                     )
+                if engine.holds(tier, step, ranks):
+                    # An earlier pass placed these shards (and this one may have just written
+                    # the step's commit record): nothing is left to copy.
+                    return FlushResult(
+                        tier, step, step, ok=True, message="local shards already on the tier"
+                    )
                 failures = result.failed.get(tier, failures)
             remaining = deadline - engine._clock()
             if remaining <= FIRST_RETRY_SECONDS:

@@ -595,6 +595,15 @@ class PromotionEngine:
         """The lock serialising work on one durable tier."""
         return self._tier_locks[name]
 
+    def holds(self, tier: TierName, step: int, ranks: set[int]) -> bool:
+        """This engine committed ``step`` (or a newer one) in ``tier``, or placed the shards of
+        every rank of ``ranks`` there (their commit record may still wait for other nodes)."""
+        progress = self._progress[tier]
+        if progress.last_step is not None and step <= progress.last_step:
+            return True
+        placed = progress.placed.get(step)
+        return placed is not None and bool(ranks) and ranks <= placed
+
     def newest_durable_step(self, tier: TierName, ranks: set[int]) -> int | None:
         """Newest step holding every local shard on a durable tier: what this engine promoted
         or found at start, and a fresh listing of ``tier``."""
