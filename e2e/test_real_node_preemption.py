@@ -179,7 +179,7 @@ def test_pod_deletion_flushes_the_newest_ram_step_and_the_replacement_restores_i
         assert len(final) == 1, log
         assert (final[0][2], final[0][3]) == (final[0][1], "True"), log  # durable within budget
         expected_min = int(final[0][1])
-        assert expected_min > max(saved(log))
+        assert expected_min >= max(saved(log))  # a final save only when newer than the last
     if mode == "user-handler":
         assert "user-handler" in log
     if exit_code is not None:
