@@ -19,7 +19,14 @@ from tests.fixtures.pods import PodBuilder, policy_obj
 
 from e2e.cluster import LocalCluster
 from e2e.operator_fixtures import OperatorProcess
-from strata.reports import REPORT_PATH, ReportedError, Restore, SidecarReport, TierState
+from strata.reports import (
+    REPORT_PATH,
+    FlushEstimate,
+    ReportedError,
+    Restore,
+    SidecarReport,
+    TierState,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -156,6 +163,75 @@ def test_good_report_shows_in_status_and_an_event(
     table = k8s_cluster.kubectl("get", "ckpol", "-n", ns)
     print("\n" + table)
     assert "40" in table and "30" in table
+
+
+def wait_ready(api_client: client.ApiClient, ns: str, timeout: float = 120.0) -> None:
+    """Until the reconcile set Ready (its conditions write then no longer races the receiver's)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        conds = policy_status(api_client, ns).get("conditions") or []
+        if any(cond.get("type") == "Ready" for cond in conds):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"policy {ns}/fast not reconciled within {timeout}s")
+
+
+def test_flush_estimates_become_a_condition_and_a_warning_older_sidecars_still_report(
+    operator_running: OperatorProcess,
+    api: client.ApiClient,
+    k8s_namespace: str,
+) -> None:
+    ns = k8s_namespace
+    client.CustomObjectsApi(api).create_namespaced_custom_object(
+        "strata.dev", "v1alpha1", ns, "checkpointpolicies", policy_obj(namespace=ns, pvc=None)
+    )
+    make_pod(api, ns, "train-0", "fast")
+    token = pod_token(api, ns, "train-0")
+    wait_ready(api, ns)
+    # A sidecar of an older version: no `flush` key at all.
+    old = report(ns, "train-0", tiers={"ram": TierState(newest_complete_step=10)})
+    body = json.loads(old.model_dump_json())
+    del body["flush"]
+    status, answer = post(operator_running, json.dumps(body).encode(), token)
+    assert status == 202, answer
+    st = policy_status(api, ns)
+    assert "flush" not in st["jobs"][0]
+    assert not [x for x in st.get("conditions", []) if x["type"] == "FlushFitsGracePeriod"]
+
+    def flush(needed: float) -> FlushEstimate:
+        return FlushEstimate(
+            tier="gcs",
+            state_bytes=2**30,
+            bytes_per_second=2**30 / needed,
+            seconds_needed=needed,
+            grace_seconds=30.0,
+            budget_seconds=25.0,
+            fits=needed <= 25.0,
+        )
+
+    fits = report(ns, "train-0", flush=flush(5.0))
+    status, answer = post(operator_running, fits.model_dump_json().encode(), token)
+    assert status == 202, answer
+    st = policy_status(api, ns)
+    assert st["jobs"][0]["flush"]["secondsNeeded"] == 5.0
+    cond = next(x for x in st["conditions"] if x["type"] == "FlushFitsGracePeriod")
+    assert (cond["status"], cond["reason"]) == ("True", "FlushFits")
+    assert any(x["type"] == "Ready" for x in st["conditions"])  # the reconcile's are kept
+
+    slow = report(ns, "train-0", flush=flush(80.0))
+    status, answer = post(operator_running, slow.model_dump_json().encode(), token)
+    assert status == 202, answer
+    st = policy_status(api, ns)
+    job = st["jobs"][0]
+    assert (job["flush"]["fits"], job["flush"]["graceSeconds"]) == (False, 30.0)
+    cond = next(x for x in st["conditions"] if x["type"] == "FlushFitsGracePeriod")
+    assert (cond["status"], cond["reason"]) == ("False", "FlushTooSlow")
+    print("\n" + cond["message"])
+    warnings = [e for e in events_of(api, ns, "fast") if e.reason == "FlushTooSlow"]
+    assert len(warnings) == 1 and warnings[0].type == "Warning"
+    assert "terminationGracePeriodSeconds to at least 85" in warnings[0].message
 
 
 def test_bad_reports_are_rejected_and_counted(

@@ -13,7 +13,10 @@ under one field manager (:data:`strata_operator.constants.FIELD_MANAGER`):
   spec, not from the status it read.
 * :meth:`StatusWriter.write_jobs`: ``jobs`` and ``newestCompleteStep``, written by the report
   receiver. Guarded by ``resourceVersion``: the receiver folds reports into the ``jobs`` it read,
-  so a concurrent write must make it re-read and fold again.
+  so a concurrent write must make it re-read and fold again. The same patch carries the whole
+  ``conditions`` list when the receiver's one condition, ``FlushFitsGracePeriod`` (from the
+  sidecars' flush estimates), changed; the reconcile keeps condition types it does not own, and
+  a reconcile write that raced it away is repaired by the next report.
 
 Events are posted with :func:`post_event` after the status patch they accompany succeeded (the
 JobSet way); a failure to post one is logged, never raised: an Event is advice, not state.
@@ -88,7 +91,7 @@ class StatusWriter:
     def write_jobs(
         self, namespace: str, name: str, resource_version: str, status: Mapping[str, Any]
     ) -> bool:
-        """Merge-patch ``jobs``/``newestCompleteStep`` if the policy is still at
+        """Merge-patch ``jobs``/``newestCompleteStep`` (and ``conditions``) if the policy is still at
         ``resource_version``; False on a conflict (409: re-read, fold again, retry).
 
         Errors: :class:`ClusterWriteFailed` on any other API failure (a deleted policy included).

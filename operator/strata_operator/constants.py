@@ -89,6 +89,9 @@ READY: Final = "Ready"
 """The policy is valid and every configured tier is usable: workloads may name it."""
 DEGRADED: Final = "Degraded"
 """The policy works but something reduces protection (e.g. a PVC that is not ReadWriteMany)."""
+FLUSH_FITS: Final = "FlushFitsGracePeriod"
+"""A termination flush of every reported job's state fits in its pods' grace period (set by the
+report receiver from the sidecars' flush estimates; absent until one was measured)."""
 
 REASON_RECONCILED: Final = "Reconciled"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
@@ -106,6 +109,11 @@ REASON_PVC_NOT_SHARED: Final = "PvcNotShared"
 REASON_PVC_PENDING: Final = "PvcPending"
 REASON_BUCKET_NOT_CHECKED: Final = "BucketNotChecked"
 REASON_NOT_EVALUATED: Final = "NotEvaluated"
+REASON_FLUSH_FITS: Final = "FlushFits"
+REASON_FLUSH_TOO_SLOW: Final = "FlushTooSlow"
+"""The measured flush of the current state needs longer than the grace period allows."""
+REASON_FLUSH_MISSED: Final = "FlushMissedDeadline"
+"""A pod's termination flush did not finish before its deadline (or failed)."""
 
 CONDITION_REASONS: Final = frozenset(
     {
@@ -124,6 +132,9 @@ CONDITION_REASONS: Final = frozenset(
         REASON_PVC_PENDING,
         REASON_BUCKET_NOT_CHECKED,
         REASON_NOT_EVALUATED,
+        REASON_FLUSH_FITS,
+        REASON_FLUSH_TOO_SLOW,
+        REASON_FLUSH_MISSED,
     }
 )
 
@@ -135,6 +146,10 @@ EVENT_RESTORE_FAILED: Final = "RestoreFailed"
 EVENT_TIER_FAILED: Final = "TierFailed"
 EVENT_TIER_TOO_SMALL: Final = "TierTooSmall"
 EVENT_NOT_PROTECTED: Final = "NotProtected"
+EVENT_FLUSH_TOO_SLOW: Final = "FlushTooSlow"
+"""Warning: a job's termination flush cannot fit in its pods' grace period."""
+EVENT_FLUSH_MISSED: Final = "FlushMissedDeadline"
+"""Warning: a pod's termination flush missed its deadline or failed."""
 
 # --- kopf storage and API identity ------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import pytest
 from strata.config import StrataConfig
 from strata.format import layout
 from strata.sidecar.promotion import PromotionEngine, PromotionEvent
+from strata.sidecar.promotion.committer import commit_writer_rank
 from strata.tiers.gcs import GcsTier
 from strata.tiers.posix import PosixTier
 from strata.tiers.ram import RamTier
@@ -351,3 +352,27 @@ def test_a_pvc_promotion_writes_the_copy_once_and_never_reads_it_back(
     kinds = [e.kind for e in events.events if e.step == 20]
     assert "promoted" in kinds and "checksum_mismatch" not in kinds, kinds
     assert pvc_bytes(pvc, 20) == data  # and the copy is right
+
+
+def test_a_second_flush_of_a_step_whose_shards_it_placed_returns_at_once(tmp_path: Path) -> None:
+    """Two pods' sidecars flush a 2-rank step at termination. The first pass of pod 0 places
+    its shard (no commit: rank 1's is not there yet); pod 1's then places its own. Pod 0's own
+    SIGTERM starts a second pass: its shard is on the PVC, so it is done at once (it used to
+    retry until the deadline and report the flush as failed). Step 36's designated commit
+    writer is rank 0 (:func:`commit_writer_rank`): pod 1 places its shard without the record."""
+    assert commit_writer_rank(36, 2) == 0
+    pvc_root = tmp_path / "pvc"
+    engines = []
+    for rank in (0, 1):
+        ram_root = tmp_path / f"ram-{rank}"
+        config = make_config(ram_root, pvc_root, writer_id=f"pod-{rank}")
+        ram = RamTier(ram_root, keep=1)
+        write_ram_shard(ram, JOB, 36, rank, payload(36, rank), world_size=2)
+        engines.append(PromotionEngine(config, ram, {"pvc": PosixTier(pvc_root)}))
+    first = engines[0].flush(deadline=engines[0]._clock() + 30)
+    assert (first.ok, first.message, first.ram_step) == (True, "promoted", 36)
+    assert engines[1].flush(deadline=engines[1]._clock() + 30).ok
+    again = engines[0].flush(deadline=engines[0]._clock() + 3)
+    assert again.ok, again
+    assert again.nbytes == 0  # nothing copied twice
+    assert PosixTier(pvc_root).newest_complete_step(JOB) == 36

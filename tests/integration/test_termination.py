@@ -81,12 +81,22 @@ def config_for(ram: Path, pvc: Path, grace: float = GRACE) -> StrataConfig:
 class Trainer:
     """``python -m tests.fixtures.preempted`` beside the sidecar, optionally as PID 1."""
 
-    def __init__(self, config: StrataConfig, mode: str, log: Path, pid1: bool = False) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
-        env.update(config.to_env())
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "sidecar"), str(REPO)])
+    def __init__(
+        self,
+        config: StrataConfig,
+        mode: str,
+        log: Path,
+        pid1: bool = False,
+        mib: int = MIB,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        full = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+        full.update(config.to_env())
+        full["PYTHONPATH"] = os.pathsep.join([str(REPO / "sidecar"), str(REPO)])
+        full.update(env or {})
+        env = full
         self.log = log
-        cmd = [sys.executable, "-m", "tests.fixtures.preempted", mode, str(log), str(MIB)]
+        cmd = [sys.executable, "-m", "tests.fixtures.preempted", mode, str(log), str(mib)]
         if pid1:
             cmd = ["unshare", "--pid", "--fork", *cmd]
         self.proc = subprocess.Popen(cmd, env=env, cwd=REPO)

@@ -430,3 +430,21 @@ def test_zero_grace_period_is_kept_and_the_config_stays_valid() -> None:
         StrataConfig.from_env({"STRATA_CONFIG": env["STRATA_CONFIG"]}).termination_grace_seconds
         == 1
     )
+
+
+@pytest.mark.parametrize(("pod_grace", "expected"), [(None, 30), (45, 45), (0, 1)])
+def test_the_sidecar_and_the_trainer_learn_the_pods_grace_period_as_their_flush_budget(
+    pod_grace: int | None, expected: int
+) -> None:
+    """Without a policy value the pod's own terminationGracePeriodSeconds (30 when unset) is
+    the termination flush's budget, for the sidecar and for the trainer's SIGTERM handler."""
+    builder = training_pod()
+    if pod_grace is not None:
+        builder.spec_field("terminationGracePeriodSeconds", pod_grace)
+    pod = inject(builder.obj(), policy_obj(grace=None))
+    assert pod["spec"].get("terminationGracePeriodSeconds", 30) == (
+        pod_grace if pod_grace is not None else 30
+    )
+    for container in (sidecar_of(pod), pod["spec"]["containers"][0]):
+        config = StrataConfig.from_env({"STRATA_CONFIG": env_of(container)["STRATA_CONFIG"]})
+        assert config.termination_grace_seconds == expected

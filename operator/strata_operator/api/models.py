@@ -573,6 +573,32 @@ class LastErrorStatus(_Model):
     time: datetime
 
 
+class FlushStatus(_Model):
+    """Whether a termination flush of a job's state fits in its pods' grace period, from the
+    sidecar whose flush needs the longest (``pod``; reports of :class:`strata.reports.FlushEstimate`).
+
+    ``secondsNeeded`` = ``stateBytes`` / ``bytesPerSecond`` (the pod's shards of the newest step
+    over the throughput of its recent promotions to ``tier``); it must not exceed
+    ``budgetSeconds`` (``graceSeconds``, the pod's ``terminationGracePeriodSeconds``, minus the
+    sidecar's margin). ``fits`` is absent until a promotion was measured. ``lastFit`` false: the
+    pod's last termination flush (of ``lastStep``, ``lastSeconds`` long) missed its deadline or
+    failed."""
+
+    pod: Annotated[str, Field(max_length=253)]
+    tier: TierName | None = None
+    state_bytes: Annotated[int, Field(ge=0)] | None = None
+    bytes_per_second: Annotated[float, Field(ge=0)] | None = None
+    seconds_needed: Annotated[float, Field(ge=0)] | None = None
+    grace_seconds: Annotated[float, Field(gt=0)]
+    budget_seconds: Annotated[float, Field(ge=0)]
+    fits: bool | None = None
+    last_fit: bool | None = None
+    last_step: Annotated[int, Field(ge=0)] | None = None
+    last_seconds: Annotated[float, Field(ge=0)] | None = None
+    time: datetime
+    """When the report carrying it was made."""
+
+
 class JobStatus(_Model):
     """What the sidecars of one job (``<namespace>.<workload>`` or its run id) reported."""
 
@@ -584,6 +610,8 @@ class JobStatus(_Model):
     """Tiers that cannot take ``keep + 1`` steps (promotion to them stopped advancing), with what
     was needed and what the tier has, as the sidecar reported; cleared when the tier takes a step
     again."""
+    flush: FlushStatus | None = None
+    """Termination flush against the pods' grace period (absent until a sidecar measured one)."""
     update_time: datetime | None = None
     """When a report about this job was last folded in."""
 

@@ -8,23 +8,34 @@ into one status patch (:mod:`strata_operator.reports.coalescer`); the unit tests
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from strata.reports import SidecarReport
+from strata.reports import FlushEstimate, SidecarReport
 from strata_operator import api
 from strata_operator.api import conditions as c
 from strata_operator.api.events import EventSpec
 from strata_operator.constants import (
+    EVENT_FLUSH_MISSED,
+    EVENT_FLUSH_TOO_SLOW,
     EVENT_FRESH_START,
     EVENT_RESTORE_FAILED,
     EVENT_RESTORED,
     EVENT_TIER_FAILED,
     EVENT_TIER_TOO_SMALL,
+    FLUSH_FITS,
+    REASON_FLUSH_FITS,
+    REASON_FLUSH_MISSED,
+    REASON_FLUSH_TOO_SLOW,
 )
 
 _fmt = c.format_time
+
+FLUSH_STALE_SECONDS = 300.0
+"""A job's stored flush figures from a pod that has not reported them for this long (a deleted
+or replaced pod) give way to any other pod's."""
 
 
 def _whole(t: datetime) -> datetime:
@@ -150,6 +161,11 @@ def fold_report(
             )
         too_small[tier] = state.too_small[:1024]
 
+    flush = old.get("flush")
+    if report.flush is not None:
+        flush, flush_events = _fold_flush(flush, report, report.flush, where, source)
+        events += flush_events
+
     entry_job = api.JobStatus.model_validate(
         {
             "jobId": report.job_id,
@@ -157,8 +173,148 @@ def fold_report(
             **({"lastRestore": last_restore} if last_restore else {}),
             **({"lastError": last_error} if last_error else {}),
             **({"tooSmall": too_small} if too_small else {}),
+            **({"flush": flush} if flush else {}),
             "updateTime": _fmt(now),
         }
     ).model_dump(mode="json", by_alias=True, exclude_none=True)
     others = [dict(j) for j in jobs if j.get("jobId") != report.job_id]
     return [entry_job, *others][:max_jobs], events
+
+
+def _need(flush: Mapping[str, Any]) -> float:
+    """How much of its budget a flush needs (a ratio; -1 when not measured)."""
+    needed = flush.get("secondsNeeded")
+    if needed is None:
+        return -1.0
+    budget = float(flush.get("budgetSeconds") or 0.0)
+    return math.inf if budget <= 0 else float(needed) / budget
+
+
+def _fold_flush(
+    old: Mapping[str, Any] | None,
+    report: SidecarReport,
+    est: FlushEstimate,
+    where: str,
+    source: str,
+) -> tuple[Mapping[str, Any] | None, list[EventSpec]]:
+    """The job's ``flush`` after ``est`` (the pod whose flush needs the largest share of its
+    budget wins; a missed flush always shows), and its Warning Events."""
+    if est.seconds_needed is None and est.last_fit is None:
+        return old, []  # nothing measured yet: the stored figures stay
+    new: dict[str, Any] = api.FlushStatus(
+        pod=report.pod_name,
+        tier=est.tier,
+        state_bytes=est.state_bytes,
+        bytes_per_second=est.bytes_per_second,
+        seconds_needed=None if est.seconds_needed is None else round(est.seconds_needed, 3),
+        grace_seconds=est.grace_seconds,
+        budget_seconds=est.budget_seconds,
+        fits=est.fits,
+        last_fit=est.last_fit,
+        last_step=est.last_step,
+        last_seconds=None if est.last_seconds is None else round(est.last_seconds, 3),
+        time=report.time,
+    ).model_dump(mode="json", by_alias=True, exclude_none=True)
+    new["time"] = _fmt(report.time)
+    if old:
+        same_pod = old.get("pod") == report.pod_name
+        old_time = _parse_time(old.get("time"))
+        stale = old_time is None or report.time - old_time > timedelta(seconds=FLUSH_STALE_SECONDS)
+        missed = est.last_fit is False
+        if not (same_pod or stale or missed or _need(new) >= _need(old)):
+            return old, []
+    events: list[EventSpec] = []
+    before = old if old and old.get("pod") == report.pod_name else {}
+    if est.fits is False and before.get("fits") is not False and est.seconds_needed is not None:
+        margin = est.grace_seconds - est.budget_seconds
+        at_least = math.ceil(est.seconds_needed + margin)
+        rate = est.bytes_per_second or 0.0
+        events.append(
+            EventSpec(
+                "Warning",
+                EVENT_FLUSH_TOO_SLOW,
+                f"{where}: a termination flush of {(est.state_bytes or 0) / 2**20:.0f} MiB to tier "
+                f"{est.tier} needs {est.seconds_needed:.1f} s at {rate / 1e6:.1f} MB/s, but the "
+                f"pod's grace period of {est.grace_seconds:.0f} s leaves {est.budget_seconds:.0f} "
+                "s: the steps since the last durable one are lost when the pod is preempted; set "
+                f"spec.sidecar.terminationGracePeriodSeconds to at least {at_least} or make tier "
+                f"{est.tier} faster",
+                f"{source}|flush-too-slow",
+            )
+        )
+    if est.last_fit is False and not (
+        before.get("lastFit") is False and before.get("lastStep") == est.last_step
+    ):
+        seconds = "" if est.last_seconds is None else f" after {est.last_seconds:.1f} s"
+        events.append(
+            EventSpec(
+                "Warning",
+                EVENT_FLUSH_MISSED,
+                f"{where}: the termination flush of step {est.last_step} to tier {est.tier} did "
+                f"not finish within the grace period ({est.budget_seconds:.0f} s budget){seconds}; "
+                "the replacement restores an older step",
+                f"{source}|flush-missed|{est.last_step}",
+            )
+        )
+    return new, events
+
+
+def flush_condition(jobs: Sequence[Mapping[str, Any]]) -> c.NewCondition | None:
+    """``FlushFitsGracePeriod`` from the jobs' ``flush`` entries; None while none was measured.
+
+    False (``FlushTooSlow``) when a job's measured flush needs more than its budget, else False
+    (``FlushMissedDeadline``) when a pod's last termination flush missed its deadline, else True
+    (``FlushFits``) naming the job that needs the largest share of its budget."""
+    flushes = [(j.get("jobId"), j["flush"]) for j in jobs if j.get("flush")]
+    slow = [(job, f) for job, f in flushes if f.get("fits") is False]
+    if slow:
+        job, f = max(slow, key=lambda jf: _need(jf[1]))
+        return c.NewCondition(
+            FLUSH_FITS,
+            "False",
+            REASON_FLUSH_TOO_SLOW,
+            f"job {job} (pod {f.get('pod')}): a termination flush of {f.get('stateBytes')} bytes "
+            f"to tier {f.get('tier')} needs {f.get('secondsNeeded')} s; the pods' grace period "
+            f"of {f.get('graceSeconds')} s leaves {f.get('budgetSeconds')} s. Raise "
+            "spec.sidecar.terminationGracePeriodSeconds (or the pods' own) or make the tier "
+            f"faster ({len(slow)} of {len(flushes)} measured jobs do not fit)",
+        )
+    missed = [(job, f) for job, f in flushes if f.get("lastFit") is False]
+    if missed:
+        job, f = missed[0]
+        return c.NewCondition(
+            FLUSH_FITS,
+            "False",
+            REASON_FLUSH_MISSED,
+            f"job {job} (pod {f.get('pod')}): the termination flush of step {f.get('lastStep')} "
+            f"to tier {f.get('tier')} missed its {f.get('budgetSeconds')} s budget "
+            f"({f.get('lastSeconds')} s); raise the grace period or make the tier faster",
+        )
+    fitting = [(job, f) for job, f in flushes if f.get("fits") is True]
+    if not fitting:
+        return None
+    job, f = max(fitting, key=lambda jf: _need(jf[1]))
+    return c.NewCondition(
+        FLUSH_FITS,
+        "True",
+        REASON_FLUSH_FITS,
+        f"the slowest measured termination flush (job {job}, pod {f.get('pod')}: "
+        f"{f.get('stateBytes')} bytes to tier {f.get('tier')}) needs {f.get('secondsNeeded')} s "
+        f"of a {f.get('budgetSeconds')} s budget ({len(fitting)} jobs measured)",
+    )
+
+
+def with_flush_condition(
+    conditions: Sequence[Mapping[str, Any]] | None,
+    jobs: Sequence[Mapping[str, Any]],
+    *,
+    now: datetime | None = None,
+) -> list[dict[str, Any]] | None:
+    """``conditions`` with :func:`flush_condition` of ``jobs`` set; None when that changes
+    nothing (no flush measured, or the same condition is already there)."""
+    new = flush_condition(jobs)
+    if new is None:
+        return None
+    old = [dict(cond) for cond in conditions or ()]
+    out = c.set_condition(old, new, generation=None, now=now)
+    return None if out == old else out

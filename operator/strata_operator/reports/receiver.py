@@ -29,6 +29,10 @@ Accepted reports are folded (:func:`strata_operator.reports.fold.fold_report`, p
 ``status.jobs[]``: one entry per job id, newest first, at most :data:`strata_operator.api.MAX_JOBS`;
 each with the newest complete step per tier, the last restore (tier, step, seconds, outcome, time)
 and the last error; and ``status.newestCompleteStep`` of the job reported last (printer columns).
+The sidecars' termination flush estimates become ``status.jobs[].flush`` and the policy's
+``FlushFitsGracePeriod`` condition (:func:`strata_operator.reports.fold.with_flush_condition`),
+written in the same patch; ``FlushTooSlow``/``FlushMissedDeadline`` Warning Events go with it.
+Reports from sidecars that send no ``flush`` (older versions) fold as before.
 The status is written with a merge patch guarded by ``resourceVersion`` (a conflict re-reads and
 re-folds the batch), then Events are posted on the policy: ``Restored`` (Normal),
 ``FreshStart``/``RestoreFailed``/``TierFailed`` (Warning), each only for restores and errors newer
@@ -80,7 +84,7 @@ from strata_operator.constants import (
 )
 from strata_operator.extension import Wiring
 from strata_operator.reports.coalescer import Coalescer, QueueFull
-from strata_operator.reports.fold import fold_report
+from strata_operator.reports.fold import fold_report, with_flush_condition
 
 log = logging.getLogger("strata.receiver")
 
@@ -339,6 +343,9 @@ async def fold_batch(
         patch: dict[str, Any] = {"jobs": jobs}
         if jobs and jobs[0].get("newestCompleteStep"):
             patch["newestCompleteStep"] = jobs[0]["newestCompleteStep"]
+        conditions = with_flush_condition((policy.get("status") or {}).get("conditions"), jobs)
+        if conditions is not None:
+            patch["conditions"] = conditions
         rv = policy["metadata"]["resourceVersion"]
         if await state.call(state.writer().write_jobs, namespace, name, rv, patch):
             break

@@ -81,6 +81,10 @@ class FlushTarget(Protocol):
         """Under ``tier``'s lock: promote ``step`` of ``ranks`` now (backoff ignored, RAM
         shards without checksums checksummed). Never raises."""
 
+    def holds(self, tier: TierName, step: int, ranks: set[int]) -> bool:
+        """``step`` (or a newer one) is committed in ``tier`` by this engine, or the shards of
+        every rank of ``ranks`` are placed there (the commit record may wait for others)."""
+
 
 def flush(target: FlushTarget, deadline: float) -> FlushResult:
     """See :meth:`PromotionEngine.flush`."""
@@ -112,6 +116,12 @@ def flush(target: FlushTarget, deadline: float) -> FlushResult:
             if attempt.promoted:
                 return FlushResult(
                     tier, step, durable_step, ok=True, message="promoted", nbytes=attempt.nbytes
+                )
+            if target.holds(tier, step, view.ranks):
+                # An earlier pass placed these shards (and this one may have just written the
+                # step's commit record): nothing is left to copy.
+                return FlushResult(
+                    tier, step, step, ok=True, message="local shards already on the tier"
                 )
             if attempt.failures is not None:
                 failures = attempt.failures

@@ -447,6 +447,15 @@ class PromotionEngine:
             return FlushAttempt(True, nbytes=sum(m.data_nbytes for m in manifests.values()))
         return FlushAttempt(False, failures=result.failed.get(tier))
 
+    def holds(self, tier: TierName, step: int, ranks: set[int]) -> bool:
+        """This engine committed ``step`` (or a newer one) in ``tier``, or placed the shards of
+        every rank of ``ranks`` there (their commit record may still wait for other nodes)."""
+        progress = self._progress[tier]
+        if progress.last_step is not None and step <= progress.last_step:
+            return True
+        placed = progress.placed.get(step)
+        return placed is not None and bool(ranks) and ranks <= placed
+
     def newest_durable_step(self, tier: TierName, ranks: set[int]) -> int | None:
         """Newest step holding every local shard on a durable tier: what this engine promoted
         or found at start, and a fresh read of ``tier`` (:meth:`TierViews.newest_durable_step`)."""
