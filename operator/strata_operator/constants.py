@@ -43,7 +43,10 @@ SIDECAR_NAME: Final = "strata-sidecar"
 RAM_VOLUME: Final = "strata-ram"
 PVC_VOLUME: Final = "strata-pvc"
 TOKEN_VOLUME: Final = "strata-token"
-VOLUMES: Final = (RAM_VOLUME, PVC_VOLUME, TOKEN_VOLUME)
+PEERS_TLS_VOLUME: Final = "strata-peers-tls"
+"""Secret volume of the job's peer certificate; mounted into the sidecar container only."""
+VOLUMES: Final = (RAM_VOLUME, PVC_VOLUME, TOKEN_VOLUME, PEERS_TLS_VOLUME)
+"""Volume names Strata reserves: a pod that already has one is refused."""
 TOKEN_DIR: Final = "/var/run/secrets/strata.dev"
 TOKEN_FILE: Final = "token"
 CA_FILE: Final = "ca.crt"
@@ -142,8 +145,6 @@ COMPONENT: Final = "strata-operator"
 
 # --- peer tier (issue 16, docs/peers.md) ------------------------------------------------------
 
-PEERS_TLS_VOLUME: Final = "strata-peers-tls"
-"""Secret volume of the job's peer certificate; mounted into the sidecar container only."""
 PEERS_PORT_NAME: Final = "strata-peers"
 ZONE_LABEL: Final = "topology.kubernetes.io/zone"
 """Pod label (PodTopologyLabels, Kubernetes 1.33+) the sidecar's failure domain comes from."""

@@ -193,7 +193,12 @@ async def _admit(
                 raw, namespace, state.custom_api, state.batch_api, timeout
             )
         try:
-            ops = build(raw, policy, state, namespace, workload)
+            if peers:
+                # The peer list grows with the job: build it off the event loop, so that other
+                # admissions (and the watch feeding the policy cache) go on meanwhile.
+                ops = await asyncio.to_thread(build, raw, policy, state, namespace, workload)
+            else:
+                ops = build(raw, policy, state, namespace, workload)
             if peers:
                 job_id = job_id_for(raw, namespace)
         except InjectionError as exc:
