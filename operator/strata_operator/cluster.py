@@ -21,6 +21,7 @@ JobSet way); a failure to post one is logged, never raised: an Event is advice, 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -68,6 +69,26 @@ def get_policy(
             return None
         raise
     return obj
+
+
+def list_policies(
+    custom_api: Any, *, timeout: float = REQUEST_TIMEOUT
+) -> tuple[list[dict[str, Any]], int | None]:
+    """Every CheckpointPolicy in the cluster and the list's resourceVersion (an integer, None
+    when the apiserver gives none that is one), read in one LIST from the apiserver.
+
+    Errors: ``kubernetes.client.exceptions.ApiException`` for an API failure.
+    """
+    resp = custom_api.list_cluster_custom_object(
+        api.GROUP, api.VERSION, api.PLURAL, _preload_content=False, _request_timeout=timeout
+    )
+    data: dict[str, Any] = json.loads(resp.data)
+    version = (data.get("metadata") or {}).get("resourceVersion")
+    try:
+        list_version = int(version) if version is not None else None
+    except ValueError:
+        list_version = None
+    return list(data.get("items") or []), list_version
 
 
 class StatusWriter:

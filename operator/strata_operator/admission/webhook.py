@@ -16,7 +16,8 @@ no policy the API accepted can make the webhook answer 5xx: an unexpected error 
 says so (only an API failure reading the policy is a 503). A reinvocation (the apiserver calls again
 after later plugins changed an injected pod) returns at once, without reading the policy. The
 handlers read the policy from the operator's own watch
-(:mod:`strata_operator.admission.policy_cache`; a GET only when the watch has not delivered it yet)
+(:mod:`strata_operator.admission.policy_cache`; a GET when the watch has not delivered it yet, and
+for every admission after a start until the watch has caught up with a LIST made before the first)
 and call nothing else, except the peer Secret of a ``spec.peers`` policy, which a dry run skips
 (``sideEffects: NoneOnDryRun``).
 
@@ -66,10 +67,10 @@ from strata_operator.admission.mutation import (
     build_pod_patch,
     job_id_for,
 )
-from strata_operator.admission.policy_cache import POLICY_READS, PolicyCache
+from strata_operator.admission.policy_cache import POLICY_READS, PolicyCache, namespace_watched
 from strata_operator.admission.workloads import build_workload_patch
 from strata_operator.api import conditions
-from strata_operator.cluster import get_policy
+from strata_operator.cluster import get_policy, list_policies
 from strata_operator.constants import DENIAL_PREFIX, POD_WEBHOOK, POLICY_LABEL
 from strata_operator.extension import Wiring
 
@@ -77,6 +78,7 @@ log = logging.getLogger("strata.webhook")
 
 DENY_MISSING_POLICY = 403
 DENY_INVALID = 422
+LIST_RETRY_SECONDS = 30.0
 
 
 @dataclass
@@ -91,6 +93,37 @@ class WebhookState:
     core_api: Any = None
     batch_api: Any = None
     policies: PolicyCache = field(default_factory=PolicyCache)
+    namespaces: tuple[str, ...] = ()
+    """The operator's ``--namespace`` patterns (kopf's: globs, ``!`` excludes); empty: all."""
+    _list_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _list_failed_at: float | None = None
+
+    async def _list_policies(self) -> None:
+        """LIST every policy into the cache once (the first admission waits for it); after a
+        failure, retried at most every :data:`LIST_RETRY_SECONDS` (admissions GET meanwhile)."""
+        async with self._list_lock:
+            if self.policies.listed:
+                return
+            failed = self._list_failed_at
+            if failed is not None and time.monotonic() - failed < LIST_RETRY_SECONDS:
+                return
+            try:
+                items, version = await asyncio.to_thread(
+                    list_policies, self.custom_api, timeout=max(1, self.options.timeout_seconds - 2)
+                )
+            except Exception as exc:
+                self._list_failed_at = time.monotonic()
+                log.warning(
+                    "cannot LIST CheckpointPolicies (%s: %s); admissions read each policy with a "
+                    "GET until a LIST succeeds",
+                    type(exc).__name__,
+                    exc,
+                )
+                return
+            if self.namespaces:
+                items = [i for i in items if namespace_watched(i, self.namespaces)]
+            self.policies.sync(items, version)
+            log.info("policy cache listed %d CheckpointPolicies at version %s", len(items), version)
 
     async def get_policy(self, namespace: str, name: str) -> dict[str, Any]:
         """The CheckpointPolicy object (from the watch's cache, :mod:`strata_operator.admission.policy_cache`;
@@ -103,7 +136,11 @@ class WebhookState:
                 f"CheckpointPolicy in namespace {namespace!r}",
                 code=DENY_INVALID,
             )
-        cached = self.policies.get(namespace, name)
+        if not self.policies.listed:
+            await self._list_policies()
+        # Until the watch has caught up with the LIST (after a restart), only a GET is as fresh
+        # as the apiserver.
+        cached = self.policies.get(namespace, name) if self.policies.synced else None
         if cached is not None:
             POLICY_READS.labels(source="cache").inc()
             return cached
@@ -415,6 +452,7 @@ class Webhook:
             admission_api=client.AdmissionregistrationV1Api(),
             core_api=client.CoreV1Api(),
             batch_api=client.BatchV1Api(),
+            namespaces=tuple(getattr(args, "namespace", None) or ()),
         )
 
     def register(self, registry: kopf.OperatorRegistry) -> None:
