@@ -185,6 +185,7 @@ def test_building_a_peer_list_does_not_hold_up_other_admissions(tmp_path: Path) 
         custom_api=fake,
         batch_api=fake,
     )
+    state.policies.sync([peer_policy, policy_obj("plain")], None)
     other_admitted = threading.Event()
     seen: list[bool] = []
     started: dict[str, Any] = {}
@@ -199,7 +200,6 @@ def test_building_a_peer_list_does_not_hold_up_other_admissions(tmp_path: Path) 
     async def other() -> None:
         await started["event"].wait()
         plain = PodBuilder("web-0", "team-a").policy("plain").container("c").obj()
-        state.policies.observe(None, policy_obj("plain"))
         ops = await webhook._admit("Pod", plain, [], state, webhook._build_pod, webhook._pod_policy)
         assert ops
         other_admitted.set()

@@ -19,6 +19,7 @@ from strata_operator.admission.configuration import WebhookOptions
 from strata_operator.admission.mutation import InjectionSettings
 from strata_operator.admission.policy_cache import PolicyCache, namespace_watched
 from strata_operator.admission.webhook import WebhookState
+from strata_operator.cluster import list_policies
 from tests.fixtures.pods import policy_obj
 
 pytestmark = pytest.mark.unit
@@ -32,27 +33,26 @@ def _at(version: int, size: str = "2Gi", name: str = "fast") -> dict[str, Any]:
 
 def test_a_watch_backlog_after_the_list_does_not_bring_back_a_deleted_policy() -> None:
     cache = PolicyCache()
-    cache.observe(None, _at(100))
-    cache.sync([], 120)  # deleted before the LIST
-    assert cache.get("team-a", "fast") is None
-    cache.observe(None, _at(100))  # the watch's queue, still behind
-    assert cache.get("team-a", "fast") is None
-    assert not cache.synced  # its DELETED event is still to come
-    cache.observe("DELETED", _at(121))
+    cache.observe(None, _at(100))  # kopf's initial listing
+    assert not cache.synced
+    cache.sync([], 120)  # deleted before the webhook's LIST
     assert cache.synced and cache.get("team-a", "fast") is None
+    cache.observe(None, _at(100))  # kopf's queue, still behind
+    assert cache.get("team-a", "fast") is None
+    cache.observe("ADDED", _at(130))  # created again
+    assert cache.get("team-a", "fast") is not None
+    cache.mark_unsynced()  # the webhook's watch broke
+    assert not cache.synced
 
 
 def test_a_watch_backlog_does_not_bring_back_an_older_spec() -> None:
     cache = PolicyCache()
-    cache.sync([_at(150, "4Gi"), _at(90, name="other")], 151)
+    cache.sync([_at(150, "4Gi")], 151)
     cache.observe(None, _at(140, "2Gi"))
     assert cache.get("team-a", "fast")["spec"]["tiers"]["ram"]["sizeLimit"] == "4Gi"  # type: ignore[index]
-    cache.observe(None, _at(90, name="other"))
-    assert not cache.synced  # the watch has not reached version 150 of "fast"
-    cache.observe("MODIFIED", _at(150, "4Gi"))
-    assert cache.synced
     cache.observe("MODIFIED", _at(160, "8Gi"))
-    assert cache.get("team-a", "fast")["spec"]["tiers"]["ram"]["sizeLimit"] == "8Gi"
+    cache.sync([_at(150, "4Gi")], 155)  # a LIST slower than the watch does not go back either
+    assert cache.get("team-a", "fast")["spec"]["tiers"]["ram"]["sizeLimit"] == "8Gi"  # type: ignore[index]
 
 
 def test_namespace_patterns_follow_kopf() -> None:
@@ -98,11 +98,9 @@ def _state(tmp_path: Path, apiserver: _Apiserver) -> WebhookState:
     )
 
 
-def test_after_a_start_admissions_read_the_apiserver_until_the_watch_caught_up(
-    tmp_path: Path,
-) -> None:
-    # The watch's initial listing delivered "fast" at 2Gi and "gone"; since then, "fast" was
-    # updated to 4Gi and "gone" deleted, and the watch has not delivered those events yet.
+def test_until_the_cache_is_synced_admissions_read_the_apiserver(tmp_path: Path) -> None:
+    # kopf's initial listing delivered "fast" at 2Gi and "gone"; since then "fast" was updated to
+    # 4Gi and "gone" deleted, and kopf has not delivered those events yet.
     apiserver = _Apiserver([_at(150, "4Gi")], 151)
     state = _state(tmp_path, apiserver)
     state.policies.observe(None, _at(100, "2Gi"))
@@ -117,11 +115,12 @@ def test_after_a_start_admissions_read_the_apiserver_until_the_watch_caught_up(
     fast, refused = asyncio.run(admit_both())
     assert fast["spec"]["tiers"]["ram"]["sizeLimit"] == "4Gi"
     assert "'gone' not found" in refused
-    assert apiserver.calls == ["list", "get", "get"]
-    # The watch catches up: from then on the cache answers, without API calls.
-    state.policies.observe("MODIFIED", _at(150, "4Gi"))
-    state.policies.observe("DELETED", _at(152, name="gone"))
-    assert state.policies.synced
+    assert apiserver.calls == ["get", "get"]
+    # The webhook's own LIST is in: from then on the cache answers, without API calls.
+    items, version = list_policies(apiserver)
+    state.policies.sync(items, version)
     fast = asyncio.run(state.get_policy("team-a", "fast"))
     assert fast["spec"]["tiers"]["ram"]["sizeLimit"] == "4Gi"
-    assert apiserver.calls == ["list", "get", "get"]
+    with pytest.raises(kopf.AdmissionError):
+        asyncio.run(state.get_policy("team-a", "gone"))  # a miss is a GET (created just now?)
+    assert apiserver.calls == ["get", "get", "list", "get"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import copy
 import functools
 import hashlib
@@ -67,10 +68,10 @@ from strata_operator.admission.mutation import (
     build_pod_patch,
     job_id_for,
 )
-from strata_operator.admission.policy_cache import POLICY_READS, PolicyCache, namespace_watched
+from strata_operator.admission.policy_cache import POLICY_READS, PolicyCache, PolicyWatch
 from strata_operator.admission.workloads import build_workload_patch
 from strata_operator.api import conditions
-from strata_operator.cluster import get_policy, list_policies
+from strata_operator.cluster import get_policy
 from strata_operator.constants import DENIAL_PREFIX, POD_WEBHOOK, POLICY_LABEL
 from strata_operator.extension import Wiring
 
@@ -78,7 +79,6 @@ log = logging.getLogger("strata.webhook")
 
 DENY_MISSING_POLICY = 403
 DENY_INVALID = 422
-LIST_RETRY_SECONDS = 30.0
 
 
 @dataclass
@@ -95,35 +95,8 @@ class WebhookState:
     policies: PolicyCache = field(default_factory=PolicyCache)
     namespaces: tuple[str, ...] = ()
     """The operator's ``--namespace`` patterns (kopf's: globs, ``!`` excludes); empty: all."""
-    _list_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _list_failed_at: float | None = None
-
-    async def _list_policies(self) -> None:
-        """LIST every policy into the cache once (the first admission waits for it); after a
-        failure, retried at most every :data:`LIST_RETRY_SECONDS` (admissions GET meanwhile)."""
-        async with self._list_lock:
-            if self.policies.listed:
-                return
-            failed = self._list_failed_at
-            if failed is not None and time.monotonic() - failed < LIST_RETRY_SECONDS:
-                return
-            try:
-                items, version = await asyncio.to_thread(
-                    list_policies, self.custom_api, timeout=max(1, self.options.timeout_seconds - 2)
-                )
-            except Exception as exc:
-                self._list_failed_at = time.monotonic()
-                log.warning(
-                    "cannot LIST CheckpointPolicies (%s: %s); admissions read each policy with a "
-                    "GET until a LIST succeeds",
-                    type(exc).__name__,
-                    exc,
-                )
-                return
-            if self.namespaces:
-                items = [i for i in items if namespace_watched(i, self.namespaces)]
-            self.policies.sync(items, version)
-            log.info("policy cache listed %d CheckpointPolicies at version %s", len(items), version)
+    watch: PolicyWatch | None = None
+    """The webhook's own policy watch (started with the server); None: not started (tests)."""
 
     async def get_policy(self, namespace: str, name: str) -> dict[str, Any]:
         """The CheckpointPolicy object (from the watch's cache, :mod:`strata_operator.admission.policy_cache`;
@@ -136,11 +109,17 @@ class WebhookState:
                 f"CheckpointPolicy in namespace {namespace!r}",
                 code=DENY_INVALID,
             )
-        if not self.policies.listed:
-            await self._list_policies()
+        if self.watch is not None and not self.watch.listed.is_set():
+            # Just started: wait briefly for the first LIST; a GET answers meanwhile.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self.watch.listed.wait(), max(1, self.options.timeout_seconds - 3)
+                )
         # Until the watch has caught up with the LIST (after a restart), only a GET is as fresh
         # as the apiserver.
-        cached = self.policies.get(namespace, name) if self.policies.synced else None
+        synced, cached = self.policies.get_synced(namespace, name)
+        if not synced:
+            cached = None
         if cached is not None:
             POLICY_READS.labels(source="cache").inc()
             return cached
@@ -509,6 +488,11 @@ class Webhook:
         docstring)."""
         state = self._state()
         opts = state.options
+        if state.watch is None:
+            state.watch = PolicyWatch(
+                state.policies, state.custom_api, asyncio.get_running_loop(), state.namespaces
+            )
+            state.watch.start()
 
         async def write_config(ca_bundle: bytes, base_url: str | None) -> None:
             body = build_webhook_configuration(opts, ca_bundle=ca_bundle, base_url=base_url)
