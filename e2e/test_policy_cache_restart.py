@@ -96,7 +96,7 @@ def _list_version(custom: client.CustomObjectsApi, ns: str) -> str:
     listing = custom.list_namespaced_custom_object(
         "strata.dev", "v1alpha1", ns, "checkpointpolicies"
     )
-    return str(listing["metadata"]["resourceVersion"]  # type: ignore[index])
+    return str(listing["metadata"]["resourceVersion"])  # type: ignore[index]
 
 
 def _watch_from(
