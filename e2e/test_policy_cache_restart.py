@@ -5,6 +5,7 @@ ready are never used in their old form, however far behind the operator's watch 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,15 +87,25 @@ def test_deletes_and_updates_racing_a_restart_are_never_admitted_stale(
         for i in range(POLICIES // 3, POLICIES):
             expected[i] = change(i)
             # Informer semantics: a change must be used once the apiserver has published it to
-            # watchers (a watch of this test has seen it); kopf's queues, seconds behind just
-            # after a start, must not matter.
-            seen.wait_for(f"p-{i}")
+            # watchers (a watch of this test has seen it) and the webhook's cache says it has
+            # applied that version; kopf's queues, seconds behind just after a start, must not
+            # matter (before: 32 of these 80 pods stale, without the wait on the cache).
+            version = seen.wait_for(f"p-{i}")
+            _wait_applied(operator_running, version)
             got[i] = admit(i)
     finally:
         seen.stop()
     got |= {i: admit(i) for i in range(POLICIES // 3)}
     stale = {i: (got[i], expected[i]) for i in expected if got[i] != expected[i]}
     assert not stale, f"{len(stale)} pods admitted with a stale policy (got, apiserver): {stale}"
+
+
+def _wait_applied(op: OperatorProcess, version: int) -> None:
+    """Until the operator's policy cache reports ``version`` applied (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    while op.metric("strata_admission_policy_cache_resource_version") < version:
+        assert time.monotonic() < deadline, f"the policy cache never applied version {version}"
+        time.sleep(0.01)
 
 
 def _list_version(custom: client.CustomObjectsApi, ns: str) -> str:
@@ -109,7 +120,7 @@ class _Published:
     returns once it has seen a change of the named policy (fails after 60 s)."""
 
     def __init__(self, custom: client.CustomObjectsApi, ns: str, version: str) -> None:
-        self._names: set[str] = set()
+        self._names: dict[str, int] = {}
         self._cond = threading.Condition()
         self._stopping = False
         self._watch = watch.Watch()  # type: ignore[no-untyped-call]
@@ -128,15 +139,18 @@ class _Published:
                 timeout_seconds=300,
             ):
                 with self._cond:
-                    self._names.add(event["object"]["metadata"]["name"])
+                    meta = event["object"]["metadata"]
+                    self._names[meta["name"]] = int(meta["resourceVersion"])
                     self._cond.notify_all()
         except Exception:
             if not self._stopping:
                 raise
 
-    def wait_for(self, name: str) -> None:
+    def wait_for(self, name: str) -> int:
+        """The resourceVersion of the change of ``name`` the watch saw."""
         with self._cond:
             assert self._cond.wait_for(lambda: name in self._names, timeout=60), name
+            return self._names[name]
 
     def stop(self) -> None:
         self._stopping = True

@@ -38,9 +38,15 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 log = logging.getLogger("strata.webhook")
+
+CACHE_VERSION = Gauge(
+    "strata_admission_policy_cache_resource_version",
+    "Newest CheckpointPolicy resourceVersion the admission webhook's cache has applied (etcd "
+    "revision; every change up to it is in the cache).",
+)
 
 POLICY_READS = Counter(
     "strata_admission_policy_reads",
@@ -93,6 +99,7 @@ class PolicyCache:
         self._versions: dict[Key, int] = {}
         """Newest resourceVersion seen per key (a deleted policy's: its deletion's)."""
         self._synced = False
+        self._newest = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -135,6 +142,7 @@ class PolicyCache:
                 return
             if version is not None:
                 self._versions[key] = version
+                self._applied(version)
             if value is None:
                 self._items.pop(key, None)
             else:
@@ -146,6 +154,11 @@ class PolicyCache:
         a newer version since), and the cache is :attr:`synced`."""
         with self._lock:
             self._sync(items, list_version)
+
+    def _applied(self, version: int) -> None:
+        if version > self._newest:
+            self._newest = version
+            CACHE_VERSION.set(version)
 
     def _sync(self, items: Sequence[Mapping[str, Any]], list_version: int | None) -> None:
         listed: set[Key] = set()
@@ -165,6 +178,8 @@ class PolicyCache:
                 self._items.pop(key)
                 if list_version is not None:
                     self._versions[key] = list_version
+        if list_version is not None:
+            self._applied(list_version)
         self._synced = True
 
     async def policy_event(self, body: Mapping[str, Any], type: str | None, **_: Any) -> None:
