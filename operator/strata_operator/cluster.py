@@ -24,8 +24,10 @@ JobSet way); a failure to post one is logged, never raised: an Event is advice, 
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -71,6 +73,66 @@ def get_policy(
             return None
         raise
     return obj
+
+
+def list_policies(
+    custom_api: Any, *, timeout: float = REQUEST_TIMEOUT
+) -> tuple[list[dict[str, Any]], int | None]:
+    """Every CheckpointPolicy in the cluster and the list's resourceVersion (an integer, None
+    when the apiserver gives none that is one), read in one LIST from the apiserver.
+
+    Errors: ``kubernetes.client.exceptions.ApiException`` for an API failure.
+    """
+    resp = custom_api.list_cluster_custom_object(
+        api.GROUP, api.VERSION, api.PLURAL, _preload_content=False, _request_timeout=timeout
+    )
+    data: dict[str, Any] = json.loads(resp.data)
+    version = (data.get("metadata") or {}).get("resourceVersion")
+    try:
+        list_version = int(version) if version is not None else None
+    except ValueError:
+        list_version = None
+    return list(data.get("items") or []), list_version
+
+
+WATCH_SECONDS = 240
+"""Server-side timeout of one policy WATCH request; it is renewed from the last version seen."""
+
+
+def watch_policies(
+    custom_api: Any, resource_version: int | None, stop: threading.Event
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(type, object)`` of every CheckpointPolicy change after ``resource_version``
+    (``ADDED``, ``MODIFIED``, ``DELETED``), until ``stop`` is set; renews the WATCH request from
+    the last version seen. Bookmarks are consumed here.
+
+    Errors: ``kubernetes.client.exceptions.ApiException`` (410 when the version is too old: LIST
+    again) and connection errors.
+    """
+    from kubernetes import watch
+    from kubernetes.client.exceptions import ApiException
+
+    version = None if resource_version is None else str(resource_version)
+    while not stop.is_set():
+        w = watch.Watch()  # type: ignore[no-untyped-call]
+        kwargs: dict[str, Any] = {"timeout_seconds": WATCH_SECONDS, "allow_watch_bookmarks": True}
+        if version is not None:
+            kwargs["resource_version"] = version
+        for event in w.stream(  # type: ignore[no-untyped-call]
+            custom_api.list_cluster_custom_object, api.GROUP, api.VERSION, api.PLURAL, **kwargs
+        ):
+            if stop.is_set():
+                w.stop()  # type: ignore[no-untyped-call]
+                return
+            kind, obj = event.get("type"), event.get("object")
+            if kind == "ERROR":
+                code = obj.get("code") if isinstance(obj, dict) else None
+                raise ApiException(status=code or 500, reason=str(obj))
+            if not isinstance(obj, dict):
+                continue
+            version = (obj.get("metadata") or {}).get("resourceVersion") or version
+            if kind in ("ADDED", "MODIFIED", "DELETED"):
+                yield str(kind), obj
 
 
 class StatusWriter:

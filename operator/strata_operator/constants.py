@@ -46,7 +46,10 @@ TOKEN_VOLUME: Final = "strata-token"
 TMP_VOLUME: Final = "strata-tmp"
 """The sidecar's writable ``/tmp`` (an emptyDir): its root filesystem is read-only."""
 TMP_SIZE: Final = "64Mi"
-VOLUMES: Final = (RAM_VOLUME, PVC_VOLUME, TOKEN_VOLUME, TMP_VOLUME)
+PEERS_TLS_VOLUME: Final = "strata-peers-tls"
+"""Secret volume of the job's peer certificate; mounted into the sidecar container only."""
+VOLUMES: Final = (RAM_VOLUME, PVC_VOLUME, TOKEN_VOLUME, TMP_VOLUME, PEERS_TLS_VOLUME)
+"""Volume names Strata reserves: a pod that already has one is refused."""
 TOKEN_DIR: Final = "/var/run/secrets/strata.dev"
 TOKEN_FILE: Final = "token"
 CA_FILE: Final = "ca.crt"
@@ -162,8 +165,6 @@ COMPONENT: Final = "strata-operator"
 
 # --- peer tier (issue 16, docs/peers.md) ------------------------------------------------------
 
-PEERS_TLS_VOLUME: Final = "strata-peers-tls"
-"""Secret volume of the job's peer certificate; mounted into the sidecar container only."""
 PEERS_PORT_NAME: Final = "strata-peers"
 ZONE_LABEL: Final = "topology.kubernetes.io/zone"
 """Pod label (PodTopologyLabels, Kubernetes 1.33+) the sidecar's failure domain comes from."""

@@ -78,6 +78,7 @@ from pydantic import BaseModel, ValidationError
 
 from strata.config import StrataConfig
 from strata.constants import ENV_FAILURE_DOMAIN
+from strata.peers.placement import group_sizes
 from strata_operator.admission import pod_checks
 from strata_operator.admission.peers import (
     PEER_TLS_MOUNT,
@@ -315,6 +316,9 @@ def build_pod_patch(
             peers = workload_peers(workload, pol.peers.port)
         except PeerSpecError as exc:
             raise InjectionError(f"{pod_desc}: {exc}") from None
+        misfit = _peers_misfit(pol, len(peers))
+        if misfit:
+            raise InjectionError(f"{pod_desc}: policy {view.name}: {misfit}")
     try:
         config = to_sidecar_config(
             pol,
@@ -402,6 +406,33 @@ def build_pod_patch(
         ]
         ops += _add_items(f"{base}/volumeMounts", bool(have_mounts), new_mounts)
     return ops
+
+
+def _peers_misfit(pol: CheckpointPolicySpec, n: int) -> str | None:
+    """Why the policy's ``spec.peers`` cannot place its copies or parity over a job of ``n``
+    pods (each pod on its own node at best), or None. The same bounds as the sidecar's placement
+    (:mod:`strata.peers.placement`), checked where the job size is first known."""
+    spec = pol.peers
+    if spec is None:
+        return None
+    if spec.mode == "replicate":
+        if spec.copies > n - 1:
+            return (
+                f"peers.copies is {spec.copies} but the job has {n} pod(s), so at most "
+                f"{n - 1} other pod(s) can hold copies; lower peers.copies to at most "
+                f"{max(n - 1, 1)} or run more pods"
+                + (" (a single-pod job has no peers: remove spec.peers)" if n < 2 else "")
+            )
+        return None
+    biggest = group_sizes(n, spec.data_shards)[0]
+    if biggest + spec.parity_shards > n:
+        return (
+            f"peers RS(dataShards={spec.data_shards}, parityShards={spec.parity_shards}) over "
+            f"{n} pod(s): a group of {biggest} plus {spec.parity_shards} parity holders needs "
+            f"{biggest + spec.parity_shards} pods on distinct nodes; lower peers.dataShards or "
+            "peers.parityShards, use mode: replicate, or run more pods"
+        )
+    return None
 
 
 def _add_items(path: str, exists: bool, items: list[Obj]) -> list[JSONPatchOp]:
@@ -584,7 +615,8 @@ def _pod_level_resources(spec: Mapping[str, Any], sidecar: Mapping[str, Any]) ->
 
     The apiserver requires pod-level requests >= the sum of the containers' requests, and the pod
     limit bounds every container; the sidecar's requests and limits are added to each resource
-    the pod sets at pod level, so the training containers keep their share.
+    the pod sets at pod level, so the training containers keep their share. A pod-level limit of
+    a resource the sidecar requests without a limit (cpu, by default) is raised by the request.
     """
     pod_resources = spec.get("resources")
     if not isinstance(pod_resources, Mapping):
@@ -594,7 +626,13 @@ def _pod_level_resources(spec: Mapping[str, Any], sidecar: Mapping[str, Any]) ->
         current = pod_resources.get(kind)
         if not isinstance(current, Mapping):
             continue
-        for name, value in (sidecar.get(kind) or {}).items():
+        share = dict(sidecar.get(kind) or {})
+        if kind == "limits":
+            # A pod-level limit bounds the sidecar too: where the sidecar has a request but no
+            # limit (cpu by default), the pod's limit grows by that request, or the raised pod
+            # request would exceed the pod limit (the apiserver refuses that pod).
+            share = {**(sidecar.get("requests") or {}), **share}
+        for name, value in share.items():
             if name not in current:
                 continue
             total = parse_quantity(str(current[name])) + parse_quantity(str(value))

@@ -28,6 +28,11 @@ from strata_operator.certs import self_signed_ca
 
 PEER_PORT = 8477
 PEER_TLS_MOUNT = "/var/run/secrets/strata.dev/peers"
+MAX_PEERS = 4096
+"""Most pods one job may have under a ``spec.peers`` policy. The peer list travels in every
+container's ``STRATA_CONFIG`` (about 85 bytes a peer): 4,096 peers are ~350 KB a container,
+which keeps a pod with a few containers under the apiserver's 1.5 MiB object limit (etcd) and
+its admission to a few milliseconds; 20,000 peers would be 1.7 MB a container."""
 PEER_VALIDITY = datetime.timedelta(days=90)
 """Lifetime of a job's peer certificate; a job running longer needs its Secret re-issued."""
 
@@ -95,18 +100,53 @@ def _pods_of(job_spec: Mapping[str, Any], what: str) -> int:
     return n
 
 
+def workload_size(obj: Mapping[str, Any]) -> int:
+    """Number of pods (peers) of a JobSet or an Indexed Job, counted without listing them.
+
+    Raises :class:`PeerSpecError` like :func:`workload_peers`.
+    """
+    kind = obj.get("kind")
+    name = (obj.get("metadata") or {}).get("name", "")
+    spec = obj.get("spec") or {}
+    if kind == "JobSet":
+        total = 0
+        for rjob in spec.get("replicatedJobs") or []:
+            job_spec = (rjob.get("template") or {}).get("spec") or {}
+            pods = _pods_of(job_spec, f"JobSet {name} replicatedJob {rjob.get('name')}")
+            replicas = rjob.get("replicas", 1)
+            if not isinstance(replicas, int) or replicas < 0:
+                raise PeerSpecError(
+                    f"JobSet {name} replicatedJob {rjob.get('name')}: replicas must be a "
+                    f"non-negative integer, got {replicas!r}"
+                )
+            total += replicas * pods
+        return total
+    if kind == "Job":
+        return _pods_of(spec, f"Job {name}")
+    raise PeerSpecError(f"the peer tier supports JobSet and Indexed Job, not {kind}")
+
+
 def workload_peers(obj: Mapping[str, Any], port: int = PEER_PORT) -> list[dict[str, str]]:
     """``[{"id": host name, "address": "<host>.<subdomain>.<namespace>.svc:<port>"}]`` of every
     pod of a JobSet or an Indexed Job (``obj``: the workload as the API returns it).
 
-    Raises :class:`PeerSpecError` for other kinds, non-indexed jobs, or a JobSet without DNS
-    host names (``spec.network.enableDNSHostnames: false``).
+    Raises :class:`PeerSpecError` for other kinds, non-indexed jobs, a JobSet without DNS
+    host names (``spec.network.enableDNSHostnames: false``), or more than :data:`MAX_PEERS`
+    pods (checked before the list is built, so the work stays bounded).
     """
     kind = obj.get("kind")
     meta = obj.get("metadata") or {}
     name, ns = meta.get("name", ""), meta.get("namespace", "default")
     spec = obj.get("spec") or {}
     hosts: list[str] = []
+    count = workload_size(obj)
+    if count > MAX_PEERS:
+        raise PeerSpecError(
+            f"{kind} {name} has {count} pods, more than the {MAX_PEERS} peers the peer tier "
+            "supports per job (every pod carries the whole peer list in its configuration); "
+            "remove spec.peers from the policy for this job, or split it into jobs of at most "
+            f"{MAX_PEERS} pods"
+        )
     if kind == "JobSet":
         network = spec.get("network") or {}
         if network.get("enableDNSHostnames") is False:

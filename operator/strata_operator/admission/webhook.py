@@ -16,7 +16,8 @@ no policy the API accepted can make the webhook answer 5xx: an unexpected error 
 says so (only an API failure reading the policy is a 503). A reinvocation (the apiserver calls again
 after later plugins changed an injected pod) returns at once, without reading the policy. The
 handlers read the policy from the operator's own watch
-(:mod:`strata_operator.admission.policy_cache`; a GET only when the watch has not delivered it yet)
+(:mod:`strata_operator.admission.policy_cache`; a GET when the watch has not delivered it yet, and
+for every admission after a start until the watch has caught up with a LIST made before the first)
 and call nothing else, except the peer Secret of a ``spec.peers`` policy, which a dry run skips
 (``sideEffects: NoneOnDryRun``).
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import copy
 import functools
 import hashlib
@@ -66,7 +68,7 @@ from strata_operator.admission.mutation import (
     build_pod_patch,
     job_id_for,
 )
-from strata_operator.admission.policy_cache import POLICY_READS, PolicyCache
+from strata_operator.admission.policy_cache import POLICY_READS, PolicyCache, PolicyWatch
 from strata_operator.admission.workloads import build_workload_patch
 from strata_operator.api import conditions
 from strata_operator.cluster import get_policy
@@ -91,6 +93,10 @@ class WebhookState:
     core_api: Any = None
     batch_api: Any = None
     policies: PolicyCache = field(default_factory=PolicyCache)
+    namespaces: tuple[str, ...] = ()
+    """The operator's ``--namespace`` patterns (kopf's: globs, ``!`` excludes); empty: all."""
+    watch: PolicyWatch | None = None
+    """The webhook's own policy watch (started with the server); None: not started (tests)."""
 
     async def get_policy(self, namespace: str, name: str) -> dict[str, Any]:
         """The CheckpointPolicy object (from the watch's cache, :mod:`strata_operator.admission.policy_cache`;
@@ -103,7 +109,17 @@ class WebhookState:
                 f"CheckpointPolicy in namespace {namespace!r}",
                 code=DENY_INVALID,
             )
-        cached = self.policies.get(namespace, name)
+        if self.watch is not None and not self.watch.listed.is_set():
+            # Just started: wait briefly for the first LIST; a GET answers meanwhile.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self.watch.listed.wait(), max(1, self.options.timeout_seconds - 3)
+                )
+        # Until the watch has caught up with the LIST (after a restart), only a GET is as fresh
+        # as the apiserver.
+        synced, cached = self.policies.get_synced(namespace, name)
+        if not synced:
+            cached = None
         if cached is not None:
             POLICY_READS.labels(source="cache").inc()
             return cached
@@ -193,7 +209,12 @@ async def _admit(
                 raw, namespace, state.custom_api, state.batch_api, timeout
             )
         try:
-            ops = build(raw, policy, state, namespace, workload)
+            if peers:
+                # The peer list grows with the job: build it off the event loop, so that other
+                # admissions (and the watch feeding the policy cache) go on meanwhile.
+                ops = await asyncio.to_thread(build, raw, policy, state, namespace, workload)
+            else:
+                ops = build(raw, policy, state, namespace, workload)
             if peers:
                 job_id = job_id_for(raw, namespace)
         except InjectionError as exc:
@@ -410,6 +431,7 @@ class Webhook:
             admission_api=client.AdmissionregistrationV1Api(),
             core_api=client.CoreV1Api(),
             batch_api=client.BatchV1Api(),
+            namespaces=tuple(getattr(args, "namespace", None) or ()),
         )
 
     def register(self, registry: kopf.OperatorRegistry) -> None:
@@ -466,6 +488,11 @@ class Webhook:
         docstring)."""
         state = self._state()
         opts = state.options
+        if state.watch is None:
+            state.watch = PolicyWatch(
+                state.policies, state.custom_api, asyncio.get_running_loop(), state.namespaces
+            )
+            state.watch.start()
 
         async def write_config(ca_bundle: bytes, base_url: str | None) -> None:
             body = build_webhook_configuration(opts, ca_bundle=ca_bundle, base_url=base_url)

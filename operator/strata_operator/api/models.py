@@ -70,6 +70,10 @@ API_VERSION: Final = f"{GROUP}/{VERSION}"
 DEFAULT_SIDECAR_IMAGE: Final = "ghcr.io/strata-dev/strata:0.1.0"
 DEFAULT_HOST_PATH: Final = "/dev/shm/strata"
 DEFAULT_METRICS_PORT: Final = 9464
+DEFAULT_PEER_PORT: Final = 8477
+MAX_PEER_BANDWIDTH: Final = 50 * 10**9
+"""Upper bound of ``peers.bandwidth``: 50 GB/s (400 Gb/s, the fastest NICs in use); a larger
+value is a typo, not a bound."""
 MAX_JOBS: Final = 32
 """Bound of ``status.jobs``; the oldest-updated job is dropped first (keeps the object small)."""
 MAX_CONDITIONS: Final = 8
@@ -162,6 +166,23 @@ RULE_COMPONENT_KEYS = Rule(
     f"self.all(k, size(k) <= 128 && k.matches('{COMPONENT_PATTERN}'))",
     "componentEvery keys must be top-level state names (letters, digits, '_', '.', '-'; at "
     "most 128 characters, not starting with a digit)",
+)
+RULE_DURABLE_NOT_ALL_ARCHIVE = Rule(
+    "!(has(self.tiers.pvc) || has(self.tiers.gcs)) || "
+    "(has(self.tiers.pvc) && !has(self.tiers.pvc.components)) || "
+    "(has(self.tiers.gcs) && !has(self.tiers.gcs.components))",
+    "every durable tier is an archive tier (has 'components': it keeps only part of the state "
+    "and never resumes training), so a pod that loses its RAM could never resume; remove "
+    "'components' from tiers.pvc or tiers.gcs, or add a tier that keeps everything",
+    ".tiers",
+)
+RULE_PEER_PORT_NOT_METRICS = Rule(
+    f"!has(self.peers) || (has(self.peers.port) ? self.peers.port : {DEFAULT_PEER_PORT}) != "
+    "(has(self.sidecar) && has(self.sidecar.ports) && has(self.sidecar.ports.metrics) ? "
+    f"self.sidecar.ports.metrics : {DEFAULT_METRICS_PORT})",
+    "peers.port must differ from sidecar.ports.metrics (both are ports of the sidecar); "
+    "choose another peers.port",
+    ".peers.port",
 )
 RULE_REQUEST_NOT_ABOVE_LIMIT = Rule(REQUEST_NOT_ABOVE_LIMIT_RULE, REQUEST_ABOVE_LIMIT_MESSAGE)
 RULE_EXTENDED_NEEDS_LIMIT = Rule(EXTENDED_NEEDS_LIMIT_RULE, EXTENDED_NEEDS_LIMIT_MESSAGE)
@@ -448,8 +469,13 @@ class PeersSpec(_Model):
     copies: Annotated[int, Field(strict=True, ge=1, le=8)] = 1
     data_shards: Annotated[int, Field(strict=True, ge=1, le=64)] = 6
     parity_shards: Annotated[int, Field(strict=True, ge=1, le=16)] = 2
-    bandwidth: Annotated[int, Field(strict=True, ge=1024 * 1024)] = 256 * 1024 * 1024
-    port: Annotated[int, Field(strict=True, ge=1024, le=65535)] = 8477
+    bandwidth: Annotated[int, Field(strict=True, ge=1024 * 1024, le=MAX_PEER_BANDWIDTH)] = (
+        256 * 1024 * 1024
+    )
+    """Bound on each sidecar's peer traffic, bytes/s each direction: from 1 MiB/s (1048576) up
+    to 50 GB/s (50000000000); default 256 MiB/s."""
+    port: Annotated[int, Field(strict=True, ge=1024, le=65535)] = DEFAULT_PEER_PORT
+    """TCP port of the peer server; must differ from sidecar.ports.metrics."""
 
 
 class CheckpointPolicySpec(_Model):
@@ -457,7 +483,12 @@ class CheckpointPolicySpec(_Model):
     strata.dev/policy)."""
 
     model_config = ConfigDict(
-        json_schema_extra=_rules(RULE_ORDER_CONFIGURED, RULE_ARCHIVE_NOT_FIRST)
+        json_schema_extra=_rules(
+            RULE_ORDER_CONFIGURED,
+            RULE_ARCHIVE_NOT_FIRST,
+            RULE_DURABLE_NOT_ALL_ARCHIVE,
+            RULE_PEER_PORT_NOT_METRICS,
+        )
     )
 
     tiers: TiersSpec
@@ -486,9 +517,14 @@ class CheckpointPolicySpec(_Model):
     @model_validator(mode="after")
     def _peer_port(self) -> CheckpointPolicySpec:
         if self.peers is not None and self.peers.port == self.sidecar.ports.metrics:
-            raise ValueError(
-                f"peers.port {self.peers.port} is also sidecar.ports.metrics; choose another port"
-            )
+            raise ValueError(RULE_PEER_PORT_NOT_METRICS.message)
+        return self
+
+    @model_validator(mode="after")
+    def _durable_not_all_archive(self) -> CheckpointPolicySpec:
+        durable = [t for t in (self.tiers.pvc, self.tiers.gcs) if t is not None]
+        if durable and all(t.components is not None for t in durable):
+            raise ValueError(RULE_DURABLE_NOT_ALL_ARCHIVE.message)
         return self
 
     @model_validator(mode="after")

@@ -525,6 +525,14 @@ _VALUE_RULES: Final[tuple[tuple[str, str], ...]] = (
         f"{_Q}.compareTo(quantity('{MAX_EXTENDED}')) <= 0))",
         f"extended resources (such as nvidia.com/gpu) must be whole numbers up to {MAX_EXTENDED}",
     ),
+    (
+        f"self.all(k, !k.matches('{HUGEPAGES_PATTERN}') || "
+        "(quantity(k.substring(10)).isInteger() && quantity(k.substring(10)).asInteger() > 0 && "
+        f"{_Q}.isInteger() && "
+        f"{_Q}.asInteger() % quantity(k.substring(10)).asInteger() == 0))",
+        "hugepages-<size> quantities must be whole multiples of the page size <size> (e.g. "
+        "hugepages-2Mi: 4Mi, not 3Mi)",
+    ),
 )
 
 
@@ -548,9 +556,17 @@ def check_resource_list(values: dict[str, str]) -> dict[str, str]:
             problems.append(f"{name}: {_VALUE_RULES[3][1]} (got {text!r})")
         elif "/" in name and (value != value.to_integral_value() or value > MAX_EXTENDED):
             problems.append(f"{name}: {_VALUE_RULES[4][1]} (got {text!r})")
+        elif name.startswith("hugepages-") and not _whole_pages(name, value):
+            problems.append(f"{name}: {_VALUE_RULES[5][1]} (got {text!r})")
     if problems:
         raise ValueError("; ".join(problems))
     return values
+
+
+def _whole_pages(name: str, value: Decimal) -> bool:
+    """Whether ``value`` (bytes) of the resource ``hugepages-<size>`` is a whole number of pages."""
+    page = parse_quantity(name.removeprefix("hugepages-"))
+    return page > 0 and value == value.to_integral_value() and value % page == 0
 
 
 def _resource_name_ok(name: str) -> bool:

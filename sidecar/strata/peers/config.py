@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -90,12 +91,16 @@ class PeersConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> PeersConfig:
-        ids = [p.id for p in self.peers]
-        dup = sorted({i for i in ids if ids.count(i) > 1})
+        # Linear in the number of peers: the webhook builds this for every pod of a job, and a
+        # job can have thousands of pods.
+        counts = Counter(p.id for p in self.peers)
+        dup = sorted(i for i, n in counts.items() if n > 1)
         if dup:
-            raise ValueError(f"peers lists these ids more than once: {dup}")
-        if self.self_id is not None and self.peers and self.self_id not in ids:
-            raise ValueError(f"self_id {self.self_id!r} is not in peers {ids}")
+            raise ValueError(f"peers lists these ids more than once: {dup[:20]}")
+        if self.self_id is not None and self.peers and self.self_id not in counts:
+            shown = [p.id for p in self.peers[:20]]
+            more = f" (and {len(self.peers) - 20} more)" if len(self.peers) > 20 else ""
+            raise ValueError(f"self_id {self.self_id!r} is not in peers {shown}{more}")
         return self
 
     def endpoint(self, peer_id: str) -> PeerEndpoint:
