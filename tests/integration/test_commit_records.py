@@ -137,3 +137,22 @@ def test_a_node_behind_the_job_never_promotes_over_a_newer_incarnation(
     engine.promote_once()
     c = read_commit(pvc, JOB, 30)
     assert c is not None and c.incarnation == y.id
+
+
+def test_a_step_of_another_world_size_is_noted_as_reshard_only_not_unsupported(
+    tmp_path: Path,
+) -> None:
+    """A committed step of world size 2 seen by a 1-rank job: the note points at resharding
+    (which restores it), never at "resharding is not supported"."""
+    from strata.restore.inventory import collect_inventory
+
+    ram, pvc = RamTier(tmp_path / "ram"), PosixTier(tmp_path / "pvc")
+    fill(ram, pvc, 30, 2, "i1", [0, 1])
+    assert commit_if_complete(pvc, JOB, 30, "w") is not None
+    fill(ram, pvc, 31, 2, "i1", [0])  # no commit record: this rank's shard alone
+    inv = collect_inventory([pvc], JOB, 0, 1)
+    assert not inv.committed["pvc"]
+    assert len(inv.notes) == 2, inv.notes
+    for note in inv.notes:
+        assert "not supported" not in note
+        assert "reshard=True" in note

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures.checkpoints import flip_byte
 from tests.integration.test_sharded import promote, run_script
 
 pytestmark = pytest.mark.integration
@@ -133,14 +134,6 @@ def test_single_process_round_trip_from_ram(tmp_path: Path) -> None:
     assert json.dumps(r.step) == "3"
 
 
-def _flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def _save_steps(ram: Path, steps: list[int]) -> dict[int, dict[str, Any]]:
     import torch
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -189,7 +182,7 @@ def test_newest_step_with_a_corrupt_shard_falls_back_to_the_intact_older_step(
     saved = _save_steps(ram, [4, 5])
     path = RamTier(ram).data_path(JOB, 5, 0)
     assert path is not None
-    _flip_byte(path, 100)
+    flip_byte(path, 100)
     r, live = _load_newest(ram_dir=ram)
     assert r.step == 4 and live["extra"] == {"epoch": 4}
     for k, v in saved[4]["model"].items():
@@ -214,7 +207,7 @@ def test_newest_committed_step_on_the_pvc_with_a_corrupt_shard_falls_back(tmp_pa
         assert commit_if_complete(tier, JOB, step, "test") is not None
     path = tier.data_path(JOB, 5, 0)
     assert path is not None
-    _flip_byte(path, 7)
+    flip_byte(path, 7)
     r, live = _load_newest(ram_dir=tmp_path / "empty-ram", pvc_dir=pvc)
     assert r.step == 4 and live["extra"] == {"epoch": 4}
     for k, v in saved[4]["model"].items():
