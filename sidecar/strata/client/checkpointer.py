@@ -57,7 +57,7 @@ from strata.client import steps as _steps
 from strata.client.cadence import ComponentCadence
 from strata.client.cuda_host import holds_cuda
 from strata.client.late_sidecar import SidecarWatch
-from strata.client.lineage_guard import unpromotable_save
+from strata.client.lineage_guard import join_or_refuse
 from strata.client.loader import load_failure, load_shard, settle_load
 from strata.client.saver import Saver
 from strata.client.sharded import ShardedLoad, ShardReader, reshard_candidate
@@ -290,8 +290,9 @@ class Checkpointer:
         already holds (a frozen base) are not copied again; such a step is committed in the
         background once they are confirmed by CRC32C, and :meth:`wait_copied` returns that
         outcome (:mod:`strata.client.reuse`). A process that never called :meth:`restore` on a
-        node where a restore opened an incarnation gets False (the sidecar would never promote
-        its steps; :mod:`strata.client.lineage_guard`).
+        node where a restore opened an incarnation joins it, or gets False when it runs at
+        another world size (the sidecar would never promote its steps;
+        :mod:`strata.client.lineage_guard`).
 
         ``blocking=False`` (overlapped): returns once the copies are enqueued (True) and commits
         when they complete; until :meth:`wait_copied` returns, do not change any tensor of
@@ -306,10 +307,15 @@ class Checkpointer:
         :func:`strata.format.placement.replicated_rule`. Every rank must then save the same
         tensors in the same order (as SPMD training does).
         """
-        why = unpromotable_save(self.ram, self.job_id, self.saver.incarnation, step)
+        inc, why = join_or_refuse(
+            self.ram, self.job_id, self.saver.incarnation, self.world_size, step
+        )
         if why is not None:  # logged, reported to the sidecar (a failed save), last_error
             self.saver._failed(step, RuntimeError(why))
             return False
+        if inc != self.saver.incarnation:
+            log.warning("strata: save() before restore(): joining incarnation %s", inc)
+            self.incarnation = self.saver.incarnation = inc
         return self.saver.save(step, state, blocking=blocking, replicated=replicated)
 
     def wait_copied(self, timeout: float | None = None) -> bool | None:
