@@ -779,6 +779,12 @@ class Checkpointer:
                 f"rank {self.rank} did not exist in step {step} (world size {saved_world}): its "
                 f"per-rank values (non-sharded tensors, RNG, dataloader state) are rank {src}'s"
             )
+        if saved_world > self.world_size:
+            notes.append(
+                f"the per-rank values (non-sharded tensors, RNG, dataloader state) of saved ranks "
+                f"{self.world_size}-{saved_world - 1} of step {step} are not restored: no rank "
+                "of this world size takes them"
+            )
         notes.append(f"step {step} resharded from world size {saved_world} to {self.world_size}")
         self._open_incarnation(chosen, parent or None, step, notes)
         result = RestoreResult(
