@@ -377,6 +377,48 @@ def test_export_dcp_loads_with_dcp_load_tensor_by_tensor(
             assert target[key] == want, key
 
 
+def test_export_safetensors_writes_tied_weights_once(
+    tiers: Tiers, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An embedding tied to the output head (one storage, two names) is stored once; the index
+    and the file name the alias, and safetensors' load_model re-ties it into a live model."""
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    def tied_state(step: int, rank: int) -> dict[str, Any]:
+        torch.manual_seed(step)
+        model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+        model[1].weight = model[0].weight
+        return {"model": model.state_dict(), "step": step}
+
+    states = write_step([tiers.pvc], JOB, 50, 1, make_state=tied_state)
+    weight = states[0]["model"]["0.weight"]
+    dst = tmp_path / "tied"
+    code, report, _ = run(
+        capsys, "export", str(tiers.pvc.root), "--job", JOB, "--step", "50", "--to",
+        "safetensors", str(dst),
+    )  # fmt: skip
+    assert code == 0
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {"model.0.weight", "model.1.bias"}
+    assert report["tied"] == 1
+    assert index["metadata"]["tied_weights"] == {"model.1.weight": "model.0.weight"}
+    assert index["metadata"]["total_size"] == (64 * 32 + 64) * 4
+    (name,) = set(index["weight_map"].values())
+    assert (dst / name).stat().st_size < 64 * 32 * 4 * 2
+    with safe_open(str(dst / name), framework="pt") as f:
+        assert set(f.keys()) == {"model.0.weight", "model.1.bias"}
+        assert f.metadata()["model.1.weight"] == "model.0.weight"
+        assert torch.equal(f.get_tensor("model.0.weight"), weight)
+    emb, head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64)
+    head.weight = emb.weight
+    wrapper = torch.nn.Module()
+    wrapper.model = torch.nn.Sequential(emb, head)
+    missing, unexpected = load_model(wrapper, str(dst / name))
+    assert not missing and not unexpected
+    assert torch.equal(head.weight, weight) and head.weight is emb.weight
+
+
 def test_export_without_a_verified_copy_fails_with_exit_1(
     tiers: Tiers, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

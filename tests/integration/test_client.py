@@ -420,3 +420,32 @@ def test_a_gcs_tier_without_credentials_does_not_stop_a_restore_that_ram_serves(
     assert any(
         n.startswith("gcs: not searched: no Google Cloud credentials") for n in result.skipped
     )
+
+
+def test_a_process_that_never_restored_joins_the_nodes_incarnation_or_is_refused(
+    shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A first process restores (a fresh start: it opens an incarnation, its record in RAM).
+    A second one saves without restoring: its step is stamped with that incarnation (the one
+    the sidecar promotes), not with none. A third, at another world size, is refused: False,
+    last_error and the log say why, and nothing is committed."""
+    t = Trainer()
+    with ckpt(shm_dir, allow_fresh_start=True) as first:
+        first.restore(t.state)  # fresh start, opens an incarnation
+        t.train(1)
+        assert first.save(1, t.state)
+        first.wait()
+        opened = first.incarnation
+    assert opened
+    with ckpt(shm_dir) as second, caplog.at_level(logging.WARNING):
+        assert second.save(2, t.state)
+        second.wait()
+        assert second.ram.get_manifest(JOB, 2, 0).incarnation == opened
+        assert f"joining incarnation {opened}" in caplog.text
+    other = Checkpointer(job_id=JOB, ram_dir=shm_dir / "ram", rank=1, world_size=2)
+    with other, caplog.at_level(logging.ERROR):
+        assert other.save(3, t.state) is False
+        assert other.last_error is not None and "never called restore()" in other.last_error
+        assert "Strata: step 3" in caplog.text
+        assert other.saver.outcomes.failed_saves == 1
+        assert 3 not in other.ram.list_steps(JOB)

@@ -137,3 +137,72 @@ def test_a_node_behind_the_job_never_promotes_over_a_newer_incarnation(
     engine.promote_once()
     c = read_commit(pvc, JOB, 30)
     assert c is not None and c.incarnation == y.id
+
+
+def test_a_step_of_another_world_size_is_noted_as_reshard_only_not_unsupported(
+    tmp_path: Path,
+) -> None:
+    """A committed step of world size 2 seen by a 1-rank job: the note points at resharding
+    (which restores it), never at "resharding is not supported"."""
+    from strata.restore.inventory import collect_inventory
+
+    ram, pvc = RamTier(tmp_path / "ram"), PosixTier(tmp_path / "pvc")
+    fill(ram, pvc, 30, 2, "i1", [0, 1])
+    assert commit_if_complete(pvc, JOB, 30, "w") is not None
+    fill(ram, pvc, 31, 2, "i1", [0])  # no commit record: this rank's shard alone
+    inv = collect_inventory([pvc], JOB, 0, 1)
+    assert not inv.committed["pvc"]
+    assert len(inv.notes) == 2, inv.notes
+    for note in inv.notes:
+        assert "not supported" not in note
+        assert "reshard=True" in note
+
+
+class _RacedPosix(PosixTier):
+    """A PVC tier whose ``delete_step`` is joined, once, by another sidecar's commit of the same
+    step right after the record was removed and before the manifests go (the interleaving
+    forced at the delete's first directory sync)."""
+
+    race: tuple[str, int] | None = None
+
+    def _sync_dir(self, d: Path) -> None:
+        super()._sync_dir(d)
+        if self.race is not None:
+            job, step = self.race
+            self.race = None
+            assert commit_if_complete(self, job, step, "other-sidecar") is not None
+
+
+def test_a_commit_racing_retention_leaves_no_stale_record(shm_dir: Path, tmp_path: Path) -> None:
+    from strata.tiers.records import committed_steps
+
+    ram, tier = RamTier(shm_dir, keep=2), _RacedPosix(tmp_path / "pvc")
+    fill(ram, tier, 50, 2, "inc-a", [0, 1])  # complete, its record not written yet
+    tier.race = (JOB, 50)
+    tier.delete_step(JOB, 50)
+    assert tier.race is None  # the racing commit did land mid-delete
+    assert read_commit(tier, JOB, 50) is None
+    assert 50 not in tier.step_numbers(JOB)
+    assert committed_steps(tier, JOB) == {}
+
+
+def test_a_stale_record_does_not_count_and_a_replay_commits(shm_dir: Path, tier: Tier) -> None:
+    """A record that outlived its shards (the racing commit landed after the delete removed it
+    a second time: forced here by putting it back) is not a committed step, and the step's
+    replay by a new incarnation commits over it."""
+    from strata.tiers.records import committed_steps
+
+    ram = RamTier(shm_dir, keep=2)
+    fill(ram, tier, 60, 2, "inc-a", [0, 1])
+    old = commit_if_complete(tier, JOB, 60, "w")
+    assert old is not None
+    tier.delete_step(JOB, 60)
+    assert tier.create_record(layout.commit_key(JOB, 60), old.to_bytes())
+    assert 60 not in committed_steps(tier, JOB)
+    fill(ram, tier, 60, 2, "inc-b", [0, 1])
+    new = commit_if_complete(tier, JOB, 60, "w")
+    assert new is not None and new.incarnation == "inc-b"
+    found = read_commit(tier, JOB, 60)
+    assert found is not None and found.same_commit(new)
+    assert committed_steps(tier, JOB)[60].incarnation == "inc-b"
+    assert verify_commit(tier, found) == []

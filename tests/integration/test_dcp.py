@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures.checkpoints import flip_byte
 from tests.integration.test_sharded import promote, run_script
 
 pytestmark = pytest.mark.integration
@@ -131,3 +132,83 @@ def test_single_process_round_trip_from_ram(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="step number"):
         strata.dcp.StorageReader(job_id=JOB, ram_dir=tmp_path / "ram").reset("/some/dir")
     assert json.dumps(r.step) == "3"
+
+
+def _save_steps(ram: Path, steps: list[int]) -> dict[int, dict[str, Any]]:
+    import torch
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    import strata.dcp
+
+    saved = {}
+    for step in steps:
+        torch.manual_seed(step)
+        sd = {"model": torch.nn.Linear(64, 32).state_dict(), "extra": {"epoch": step}}
+        w = strata.dcp.StorageWriter(step=step, job_id=JOB, ram_dir=ram)
+        with pytest.warns(UserWarning, match="single process"):
+            dcp_save(sd, storage_writer=w)
+        w.close()
+        saved[step] = sd
+    return saved
+
+
+def _load_newest(**kw: Any) -> tuple[Any, dict[str, Any]]:
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    import strata.dcp
+
+    live: dict[str, Any] = {
+        "model": {k: torch.zeros_like(v) for k, v in torch.nn.Linear(64, 32).state_dict().items()},
+        "extra": {"epoch": -1},
+    }
+    r = strata.dcp.StorageReader(step=None, job_id=JOB, **kw)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp_load(live, storage_reader=r)
+    r.close()
+    return r, live
+
+
+def test_newest_step_with_a_corrupt_shard_falls_back_to_the_intact_older_step(
+    tmp_path: Path,
+) -> None:
+    """step=None: the newest step's only shard has a flipped byte (RAM, no other copy): the
+    load takes the older intact step instead of failing, and says why."""
+    import torch
+
+    from strata.tiers.ram import RamTier
+
+    ram = tmp_path / "ram"
+    saved = _save_steps(ram, [4, 5])
+    path = RamTier(ram).data_path(JOB, 5, 0)
+    assert path is not None
+    flip_byte(path, 100)
+    r, live = _load_newest(ram_dir=ram)
+    assert r.step == 4 and live["extra"] == {"epoch": 4}
+    for k, v in saved[4]["model"].items():
+        assert torch.equal(live["model"][k], v)
+    assert any("step 5" in n and "checksum" in n for n in r.notes), r.notes
+
+
+def test_newest_committed_step_on_the_pvc_with_a_corrupt_shard_falls_back(tmp_path: Path) -> None:
+    """Both steps promoted to the PVC with commit records; the node's RAM is gone; the newest
+    step's shard on the PVC is corrupt: the older committed step is loaded."""
+    import torch
+
+    from strata.tiers.posix import PosixTier
+    from strata.tiers.records import commit_if_complete
+    from tests.integration.test_sharded import promote
+
+    ram_root, pvc = tmp_path / "ram", tmp_path / "pvc"
+    saved = _save_steps(ram_root / "node-0", [4, 5])
+    tier = PosixTier(pvc)
+    for step in (4, 5):
+        promote(ram_root, 1, step, tier, job=JOB)
+        assert commit_if_complete(tier, JOB, step, "test") is not None
+    path = tier.data_path(JOB, 5, 0)
+    assert path is not None
+    flip_byte(path, 7)
+    r, live = _load_newest(ram_dir=tmp_path / "empty-ram", pvc_dir=pvc)
+    assert r.step == 4 and live["extra"] == {"epoch": 4}
+    for k, v in saved[4]["model"].items():
+        assert torch.equal(live["model"][k], v)

@@ -376,3 +376,50 @@ def test_a_second_flush_of_a_step_whose_shards_it_placed_returns_at_once(tmp_pat
     assert again.ok, again
     assert again.nbytes == 0  # nothing copied twice
     assert PosixTier(pvc_root).newest_complete_step(JOB) == 36
+
+
+def test_a_shard_given_up_for_want_of_space_lands_once_space_is_back(
+    shm_dir: Path, small_tmpfs: Any
+) -> None:
+    """A real 1 MiB tmpfs as the PVC, filled to the last block: the shard fails with ENOSPC
+    ``max_attempts`` times and the step is given up; once the ballast is removed and the
+    backoff has passed, the step is no longer given up and the same shard is committed."""
+    from strata.sidecar.promotion.copy import ShardCopier
+
+    pvc_root = small_tmpfs(1024 * 1024)
+    ballast = pvc_root / "ballast"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    ram = RamTier(shm_dir, keep=2)
+    m = write_ram_shard(ram, JOB, 7, 0, os.urandom(300_000))
+    now = [0.0]
+    events: list[PromotionEvent] = []
+    copier = ShardCopier(
+        JOB,
+        ram,
+        {"pvc": PosixTier(pvc_root / "ckpt")},
+        emit=events.append,
+        clock=lambda: now[0],
+        lease_timeout=5.0,
+        max_attempts=2,
+        backoff_seconds=1.0,
+    )
+    for _ in range(2):
+        ok, _n, msg = copier.promote_shard("pvc", 7, 0, m)
+        assert not ok and "no space left on the pvc tier" in msg, msg
+        now[0] += 10.0
+    assert [e.kind for e in events] == ["failed", "gave_up"]
+    now[0] = 10.5  # within the backoff after giving up
+    assert copier.given_up("pvc") == {7}
+    ballast.unlink()
+    now[0] += 100.0
+    assert copier.given_up("pvc") == set()
+    ok, nbytes, msg = copier.promote_shard("pvc", 7, 0, m)
+    assert ok and nbytes == 300_000, msg
+    assert PosixTier(pvc_root / "ckpt").get_manifest(JOB, 7, 0).crc32c == m.crc32c

@@ -198,6 +198,8 @@ def test_four_ranks_to_two_from_pvc_and_two_to_four(shm_dir: Path, tmp_path: Pat
         assert r["step"] == 11 and all(r["equal"].values()), r
         assert r["per_rank"] == [float(r["rank"])] * 4
         assert any("resharded from world size 4 to 2" in n for n in r["skipped"]), r["skipped"]
+        assert any("of saved ranks 2-3 of step 11 are not restored" in n for n in r["skipped"])
+        assert not any("not supported" in n for n in r["skipped"]), r["skipped"]
     # the 2-rank job saves step 12; a 4-rank job (FSDP 2 x TP 2 mesh) restores it
     run("save", "2", 12, shm_dir, tmp_path / "o2", pvc=pvc)
     promote(shm_dir, 2, 12, PosixTier(pvc))

@@ -17,7 +17,10 @@ Outputs (``dst`` must be empty or absent):
 
 - safetensors: ``model-00001-of-0000N.safetensors`` (at most ``max_shard_bytes`` each) and
   ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {key:
-  file}}``, the Hugging Face layout). safetensors stores tensors only: the other leaves (step
+  file}}``, the Hugging Face layout). Tied tensors (one storage under several names) are
+  written once, under the first name: the others are left out of ``weight_map`` and listed in
+  the index's ``metadata.tied_weights`` and in the file's metadata as ``{alias: kept name}``
+  (the convention of ``safetensors.torch.save_model``; loaders that tie weights re-tie them). safetensors stores tensors only: the other leaves (step
   counters, learning rates, RNG tuples) go to ``non_tensor_state.json``.
 - dcp: a DCP checkpoint of the flat ``{key: value}`` dict (tensors and the other leaves),
   loadable with ``torch.distributed.checkpoint.load``.
@@ -276,8 +279,10 @@ def write_safetensors(
     """Tensors into size-capped safetensors files plus the index; other leaves to JSON."""
     from safetensors.torch import save_file
 
-    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    every = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     others = {k: _jsonable(v) for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    tied = tied_names(every)
+    tensors = {k: v for k, v in every.items() if k not in tied}
     groups: list[list[str]] = [[]]
     size = 0
     for k, t in tensors.items():
@@ -293,19 +298,48 @@ def write_safetensors(
         name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         # safetensors refuses views sharing memory: each tensor gets its own contiguous copy.
         part = {k: tensors[k].detach().contiguous().clone() for k in keys}
-        save_file(part, str(dst / name), metadata={"format": "pt"})
+        # safetensors.torch.save_model's convention: a dropped alias names the kept tensor
+        aliases = {a: k for a, k in tied.items() if k in part}
+        save_file(part, str(dst / name), metadata={**aliases, "format": "pt"})
         files.append(name)
         weight_map.update(dict.fromkeys(keys, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total, **meta}, "weight_map": weight_map}
+    index: dict[str, Any] = {"metadata": {"total_size": total, **meta}, "weight_map": weight_map}
+    if tied:
+        index["metadata"]["tied_weights"] = dict(sorted(tied.items()))
     (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     (dst / NON_TENSOR_NAME).write_text(json.dumps(others, indent=2) + "\n")
     return {
         "files": [*files, INDEX_NAME, NON_TENSOR_NAME],
         "tensors": len(tensors),
+        "tied": len(tied),
         "other_leaves": len(others),
         "tensor_bytes": total,
     }
+
+
+def tied_names(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Tied tensors (one storage under several names, e.g. an embedding and the output head):
+    ``{alias: kept name}``, the kept name being the first in ``tensors``' order. Only exact
+    aliases (same bytes: storage, offset, shape, strides, dtype) count; overlapping views of
+    different shapes are written separately. Empty tensors are never tied."""
+    first: dict[tuple[Any, ...], str] = {}
+    out: dict[str, str] = {}
+    for k, t in tensors.items():
+        if t.numel() == 0:
+            continue
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+            t.dtype,
+        )
+        if key in first:
+            out[k] = first[key]
+        else:
+            first[key] = k
+    return out
 
 
 def write_dcp(state: dict[str, Any], dst: Path) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from strata.client.cadence import ComponentCadence
 from strata.client.collectives import RestoreCollectives
 from strata.client.cuda_host import holds_cuda
 from strata.client.late_sidecar import SidecarWatch
+from strata.client.lineage_guard import join_or_refuse
 from strata.client.restore_load import RankLoader, RestoreTiers
 from strata.client.restorer import Restorer, RestoreResult, SlotsAfter
 from strata.client.saver import Saver
@@ -253,7 +254,10 @@ class Checkpointer:
         policy). Raises ValueError for a step that is not a non-negative int. Storages the slot
         already holds (a frozen base) are not copied again; such a step is committed in the
         background once they are confirmed by CRC32C, and :meth:`wait_copied` returns that
-        outcome (:mod:`strata.client.reuse`).
+        outcome (:mod:`strata.client.reuse`). A process that never called :meth:`restore` on a
+        node where a restore opened an incarnation joins it, or gets False when it runs at
+        another world size (the sidecar would never promote its steps;
+        :mod:`strata.client.lineage_guard`).
 
         ``blocking=False`` (overlapped): returns once the copies are enqueued (True) and commits
         when they complete; until :meth:`wait_copied` returns, do not change any tensor of
@@ -268,6 +272,15 @@ class Checkpointer:
         :func:`strata.format.placement.replicated_rule`. Every rank must then save the same
         tensors in the same order (as SPMD training does).
         """
+        inc, why = join_or_refuse(
+            self.ram, self.job_id, self.saver.incarnation, self.world_size, step
+        )
+        if why is not None:  # logged, reported to the sidecar (a failed save), last_error
+            self.saver.outcomes.failed(step, RuntimeError(why))
+            return False
+        if inc != self.saver.incarnation:
+            log.warning("strata: save() before restore(): joining incarnation %s", inc)
+            self.incarnation = self.saver.incarnation = inc
         return self.saver.save(step, state, blocking=blocking, replicated=replicated)
 
     def wait_copied(self, timeout: float | None = None) -> bool | None:

@@ -18,6 +18,9 @@ rank's exception in its named ``plan`` / ``read`` phases). The order
       replicas                   sharded tensors: replicas from their owners (point to point)
       sharded                    whether every rank got its sharded tensors
 
+The DCP reader (:mod:`strata.dcp`) has one phase of its own, ``dcp-step``: every rank's verdict
+on a candidate step, so that all ranks load the same intact step.
+
 Without torch.distributed (or at world size 1) each phase returns this rank's own value only.
 :attr:`RestoreCollectives.trace` lists the phases this process took part in, in order (the
 same list on every rank: tests compare them).
@@ -37,7 +40,9 @@ from strata.restore import RankInventory
 
 log = logging.getLogger("strata.client")
 
-Phase = Literal["reshard-candidate", "inventory", "reshard", "stage", "load", "replicas", "sharded"]
+Phase = Literal[
+    "reshard-candidate", "inventory", "reshard", "stage", "load", "replicas", "sharded", "dcp-step"
+]
 
 
 class RestoreCollectives:
@@ -104,6 +109,10 @@ class RestoreCollectives:
         failed = [e for e in errors if e is not None]
         if failed:
             raise RestoreError(f"step {step}: sharded tensors could not be loaded: {failed[0]}")
+
+    def agree_dcp_step(self, verdict: Any) -> list[Any]:
+        """``dcp-step``: every rank's verdict on the DCP reader's candidate step."""
+        return self._all_gather("dcp-step", verdict)
 
     # -- the one all-gather -----------------------------------------------------------------------
 

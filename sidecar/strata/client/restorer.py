@@ -330,6 +330,12 @@ class Restorer:
                 f"per-rank values (non-sharded tensors, RNG, dataloader state) are rank "
                 f"{read.source_rank}'s"
             )
+        if saved_world > self.world_size:
+            notes.add(
+                f"the per-rank values (non-sharded tensors, RNG, dataloader state) of saved ranks "
+                f"{self.world_size}-{saved_world - 1} of step {step} are not restored: no rank "
+                "of this world size takes them"
+            )
         notes.add(f"step {step} resharded from world size {saved_world} to {self.world_size}")
         self._open_incarnation(chosen, read.parent or None, step, notes)
         result = RestoreResult(

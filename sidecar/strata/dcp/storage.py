@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +37,14 @@ from strata.client.sharded import ShardReader
 from strata.dcp.ids import step_of_checkpoint_id
 from strata.errors import RestoreError, TierError
 from strata.format.codec import TENSOR_TAG, dtype_from_name
+from strata.format.incarnation import Lineage
+from strata.format.incremental import logical_nbytes
 from strata.format.manifest import Manifest
+from strata.restore.plan import LOCAL_TIERS
+from strata.tiers.base import Tier
+from strata.tiers.records import committed_steps, lineage, verify_commit
+
+log = logging.getLogger("strata.dcp")
 
 KEY = "dcp"
 """The one key of the state tree a DCP shard holds."""
@@ -161,10 +170,13 @@ class StorageWriter(_Backed, _DcpWriter):
 
 
 class StorageReader(_Backed, _DcpReader):
-    """DCP storage reader: ``dcp.load`` from Strata step ``step`` (None: the newest readable).
+    """DCP storage reader: ``dcp.load`` from Strata step ``step`` (None: the newest intact).
 
-    Same keywords as :class:`StorageWriter`. Raises :class:`strata.errors.RestoreError` when no
-    step can be read (naming what was searched) or a shard cannot be read verified.
+    ``step=None``: the newest step whose every shard this rank (with torch.distributed: every
+    rank) can read verified, by commit records (:func:`intact_step`); a newer step with a
+    corrupt or missing shard is passed over (said in :attr:`notes` and logged). Same keywords as
+    :class:`StorageWriter`. Raises :class:`strata.errors.RestoreError` when no step can be read
+    (naming what was searched) or a shard of a given ``step`` cannot be read verified.
     """
 
     def __init__(
@@ -174,35 +186,42 @@ class StorageReader(_Backed, _DcpReader):
         self.step = step
         self._reader: ShardReader | None = None
         self._tensors: dict[tuple[int, int], torch.Tensor] = {}
+        self.notes: list[str] = []
+        """Why newer steps were passed over when ``step`` was None (one line each)."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.step = _step_of(checkpoint_id, self.step)
         self._tensors.clear()
+        if self._reader is not None and self._reader.step != self.step:
+            self._reader.close()
+            self._reader = None
 
     def _choose_step(self) -> int:
+        """The newest step every rank of this load can read intact (see :func:`intact_step`);
+        with torch.distributed, every rank agrees on it."""
         ckpt = self.checkpointer
         ckpt.wait()
-        best: int | None = None
-        for tier in ckpt._restore_tiers():
-            try:
-                listing = tier.list_steps(ckpt.job_id)
-            except (TierError, OSError):
-                continue
-            for step, entry in listing.items():
-                if entry.complete and (best is None or step > best):
-                    best = step
-        if best is None:
+        step, reader, notes = intact_step(
+            ckpt._restore_tiers(), ckpt.job_id, ckpt.restorer.phases.agree_dcp_step
+        )
+        self.notes = notes
+        if step is None or reader is None:
             raise RestoreError(
-                f"no complete DCP step of job {ckpt.job_id!r} in any tier this rank can read "
+                f"no intact DCP step of job {ckpt.job_id!r} in any tier this rank can read "
                 f"({', '.join(t.name for t in ckpt._restore_tiers())})"
+                + (f"; skipped: {'; '.join(notes)}" if notes else "")
             )
-        return best
+        self._reader = reader
+        return step
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        ckpt = self.checkpointer
         if self.step is None:
             self.step = self._choose_step()
-        ckpt = self.checkpointer
-        self._reader = reader = ShardReader(ckpt._restore_tiers(), ckpt.job_id, self.step)
+        elif self._reader is None or self._reader.step != self.step:
+            self._reader = ShardReader(ckpt._restore_tiers(), ckpt.job_id, self.step)
+        reader = self._reader
+        assert reader is not None
         world = reader.manifest(0).world_size
         tensors: dict[str, TensorStorageMetadata] = {}
         md: dict[str, Any] = {}
@@ -281,6 +300,110 @@ class StorageReader(_Backed, _DcpReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return step_of_checkpoint_id(checkpoint_id) is not None
+
+
+VERIFY_PIECE = 64 << 20
+"""Bytes read at a time when a step is verified before it is chosen."""
+
+
+def _candidates(tiers: Sequence[Tier], job_id: str, notes: list[str]) -> dict[int, str | None]:
+    """step -> incarnation of its commit record (None: no record; the shards must then agree)
+    for every step that is committed somewhere: a commit record that still describes the shards
+    next to it in a shared tier, or every rank's shard committed in the tiers read together."""
+    out: dict[int, str | None] = {}
+    ranks: dict[int, set[int]] = {}
+    worlds: dict[int, int] = {}
+    for tier in tiers:
+        try:
+            listing = tier.list_steps(job_id)
+            commits = (
+                {}
+                if tier.name in LOCAL_TIERS
+                else committed_steps(tier, job_id, [s for s, e in listing.items() if e.has_commit])
+            )
+        except (TierError, OSError) as exc:
+            notes.append(f"{tier.name}: not searched: {exc}")
+            continue
+        for step, c in commits.items():
+            problems = verify_commit(tier, c)
+            if problems:
+                notes.append(f"{tier.name}: step {step}'s commit record: {'; '.join(problems)}")
+            elif not c.archive_only:
+                out.setdefault(step, c.incarnation)
+        for step, entry in listing.items():
+            ranks.setdefault(step, set()).update(entry.committed_ranks)
+            if entry.world_size is not None:
+                worlds.setdefault(step, entry.world_size)
+    for step, held in ranks.items():
+        w = worlds.get(step)
+        if step not in out and w is not None and set(range(w)) <= held:
+            out[step] = None
+    return out
+
+
+def _verify_step(
+    tiers: Sequence[Tier], job_id: str, step: int, incarnation: str | None, lineage: Lineage
+) -> tuple[ShardReader | None, str]:
+    """A reader of ``step`` whose every shard was read verified (chunk CRC32Cs), or why not."""
+    reader = ShardReader(tiers, job_id, step)
+    try:
+        first = reader.manifest(0)
+        inc = first.incarnation if incarnation is None else incarnation
+        if not lineage.live(inc, step):
+            raise RestoreError(lineage.why_dead(inc, step))
+        for rank in range(first.world_size):
+            m = reader.manifest(rank)
+            if m.world_size != first.world_size or m.incarnation != inc:
+                raise RestoreError(
+                    f"rank {rank}'s shard (incarnation {m.incarnation!r}, world size "
+                    f"{m.world_size}) is not of one save with rank 0's (incarnation {inc!r}, "
+                    f"world size {first.world_size})"
+                )
+            size = logical_nbytes(m)
+            piece = max(m.chunk_size, VERIFY_PIECE // m.chunk_size * m.chunk_size)
+            for off in range(0, size, piece):
+                reader.read(rank, off, min(piece, size - off))
+    except (RestoreError, TierError, OSError) as exc:
+        reader.close()
+        return None, f"step {step}: {exc}"
+    reader.nbytes_read = 0
+    return reader, ""
+
+
+def intact_step(
+    tiers: Sequence[Tier],
+    job_id: str,
+    gather: Callable[[Any], list[Any]] = lambda x: [x],
+) -> tuple[int | None, ShardReader | None, list[str]]:
+    """The newest committed step of the live lineage whose every shard reads verified.
+
+    Candidates (newest first) are the steps with a commit record that still describes its
+    shards, or with every rank's shard committed in ``tiers`` (nearest first) together; each is
+    verified by reading every shard's bytes against its chunk CRC32Cs (a copy that fails is
+    passed over for the next tier's). ``gather``: all-gathers one object over the ranks
+    (the ``dcp-step`` phase of :class:`strata.client.collectives.RestoreCollectives`); every rank must agree a step is intact before it is chosen.
+    Returns (step, its reader holding the verified manifests, notes on the steps passed over);
+    (None, None, notes) when no step is intact.
+    """
+    notes: list[str] = []
+    cands = _candidates(tiers, job_id, notes)
+    everyone = sorted({s for c in gather(sorted(cands)) for s in c}, reverse=True)
+    life = lineage(tiers, job_id)
+    for step in everyone:
+        reader, why = (None, f"step {step}: not committed in any tier this rank reads")
+        if step in cands:
+            reader, why = _verify_step(tiers, job_id, step, cands[step], life)
+        verdicts = gather(why)
+        if not any(verdicts):
+            assert reader is not None
+            return step, reader, notes
+        if reader is not None:
+            reader.close()
+        for v in verdicts:
+            if v and v not in notes:
+                notes.append(v)
+                log.warning("strata.dcp: passed over %s", v)
+    return None, None, notes
 
 
 def _items(m: Manifest) -> list[dict[str, Any]]:

@@ -14,6 +14,11 @@ from strata.restore.plan import LOCAL_TIERS, RankInventory
 from strata.tiers.base import StepListing, Tier
 from strata.tiers.records import committed_steps, read_incarnations, read_manifest_raw
 
+RESHARD_ONLY = (
+    "only a resharding restore can load it (Checkpointer(reshard=True) or STRATA_RESTORE_RESHARD=1)"
+)
+"""Said of a step written at another world size than the restoring job's."""
+
 
 def collect_inventory(
     tiers: Sequence[Tier], job_id: str, rank: int, world_size: int
@@ -84,7 +89,7 @@ def collect_inventory(
                 if m.world_size != world_size:
                     notes.append(
                         f"{tier.name}: step {step} was written with world size {m.world_size}, "
-                        f"this job runs with {world_size} (resharding is not supported); skipped"
+                        f"this job runs with {world_size}; {RESHARD_ONLY}"
                     )
                     continue
                 c[step] = frozenset({rank})
@@ -100,8 +105,7 @@ def collect_inventory(
             elif entry.world_size != world_size:
                 notes.append(
                     f"{tier.name}: step {step} was written with world size {entry.world_size}, "
-                    f"this job runs with {world_size}; restored only by resharding (the newest "
-                    "step complete in a shared tier)"
+                    f"this job runs with {world_size}; {RESHARD_ONLY}"
                 )
             else:
                 c[step] = entry.committed_ranks
@@ -134,7 +138,7 @@ def _global_commit(
     if commit.world_size != world_size:
         return (
             f"it was written with world size {commit.world_size}, this job runs with "
-            f"{world_size} (resharding is not supported)"
+            f"{world_size}; {RESHARD_ONLY}"
         )
     try:
         m, raw = read_manifest_raw(tier, job_id, step, rank)

@@ -523,6 +523,10 @@ class PosixTier(PosixRecords, Tier):
                     remove_quietly(d / n)
             elif p[1] == "data" and (ranks is None or p[0] in ranks):
                 remove_quietly(d / n)
+        if manifests:
+            # A sidecar that read the manifests before they went may have created the record
+            # since: it names shards that are gone now.
+            remove_quietly(d / layout.COMMIT_NAME)
         try:
             d.rmdir()
             self._sync_dir(d.parent)

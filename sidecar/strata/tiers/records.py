@@ -53,12 +53,14 @@ def read_commit(tier: Tier, job_id: str, step: int) -> StepCommit | None:
 def committed_steps(
     tier: Tier, job_id: str, steps: Iterable[int] | None = None
 ) -> dict[int, StepCommit]:
-    """Steps of ``tier`` whose commit record verifies (its seal; not yet against the shards).
+    """Steps of ``tier`` whose commit record verifies (its seal) and whose every rank still has
+    a committed manifest next to it (not yet checked against the shards' bytes).
 
-    ``steps``: only these (default: every step of :meth:`Tier.step_numbers`, one read of each
-    step's record: the cost is the number of steps, never the number of shards). A bad record
-    is logged and left out (the step is then not complete there). :class:`TierError` when the
-    tier cannot be listed.
+    ``steps``: only these (default: every step of :meth:`Tier.step_numbers`; one read of each
+    step's record and one listing of each step with a record: the cost is the number of steps,
+    never the number of shards). A bad record, or a stale one whose shards are gone (retention
+    deleted the step while another sidecar committed it), is logged and left out (the step is
+    then not complete there). :class:`TierError` when the tier cannot be listed.
     """
     if steps is None:
         steps = tier.step_numbers(job_id)
@@ -69,8 +71,22 @@ def committed_steps(
         except CommitError as exc:
             log.warning("step %d is not complete in the %s tier: %s", step, tier.name, exc)
             continue
-        if c is not None:
-            out[step] = c
+        if c is None:
+            continue
+        listing = tier.list_step(job_id, step)
+        held = listing.committed_ranks if listing is not None else frozenset()
+        if not set(range(c.world_size)) <= held:
+            log.warning(
+                "step %d is not complete in the %s tier: its commit record is stale (ranks %s "
+                "of %d have no committed shard)",
+                step,
+                tier.name,
+                sorted(set(range(c.world_size)) - held),
+                c.world_size,
+                extra={"event": "stale_commit", "tier": tier.name, "step": step},
+            )
+            continue
+        out[step] = c
     return out
 
 
@@ -135,8 +151,9 @@ def write_commit(tier: Tier, commit: StepCommit) -> StepCommit:
 
     An existing record that commits the same shards is accepted (another sidecar got there
     first). A torn or corrupt one (its writer died mid-write on a medium without atomic
-    create, or it rotted) is replaced once the shards verify against the new record. Any other
-    record raises :class:`CommitError`.
+    create, or it rotted) is replaced once the shards verify against the new record, and so is a
+    stale one (the shards it names are gone or replaced) when the shards verify against the new
+    record. Any other record raises :class:`CommitError`.
     """
     key = layout.commit_key(commit.job_id, commit.step)
     if tier.create_record(key, commit.to_bytes()):
@@ -159,6 +176,23 @@ def write_commit(tier: Tier, commit: StepCommit) -> StepCommit:
         existing = read_commit(tier, commit.job_id, commit.step)
     if existing is None:  # deleted meanwhile (retention): the step is going away
         raise CommitError(f"{tier.name}:{key} vanished while being committed")
+    if not existing.same_commit(commit) and verify_commit(tier, existing):
+        # Stale: the shards it commits are gone or replaced (it outlived a deletion that raced
+        # its writer), so no reader can use it; the shards there now are the ones to commit.
+        log.warning(
+            "replacing a stale commit record in the %s tier (incarnation %r): %s",
+            tier.name,
+            existing.incarnation,
+            "; ".join(verify_commit(tier, existing)),
+            extra={"event": "stale_commit", "tier": tier.name, "step": commit.step},
+        )
+        if not verify_commit(tier, commit):
+            tier.delete_record(key)
+            if tier.create_record(key, commit.to_bytes()):
+                return commit
+            existing = read_commit(tier, commit.job_id, commit.step)
+            if existing is None:
+                raise CommitError(f"{tier.name}:{key} vanished while being committed")
     if not existing.same_commit(commit):
         raise CommitError(
             f"{tier.name}:{key} already commits other shards (incarnation "

@@ -1,7 +1,8 @@
 """Copying one shard to a durable tier: from the nearest source that holds it, verified (by the
 tier's own checked write where it does one, :attr:`Tier.put_checks_written`, else by reading the
 committed copy back), retried with exponential backoff (at most ``max_attempts`` per (tier, step,
-rank)).
+rank); a shard refused for want of space is tried again after the longest backoff, for as long as
+the step is wanted, so it lands once space is back).
 
 A source whose bytes do not match its manifest is quarantined (RAM or PVC) and never retried in
 a loop (C-04); a committed copy that fails verification is quarantined in the destination.
@@ -81,23 +82,33 @@ class ShardCopier:
         """(tier, step, rank) -> (failed attempts, not before this clock time)."""
         self.full: dict[TierName, int] = {}
         """Tier -> the step whose copy last failed with no space left (until it succeeds)."""
+        self.no_space: set[tuple[TierName, int, int]] = set()
+        """Shards whose last failure was no space left (:class:`TierFull`): given up for a
+        while, never for good: tried again once their backoff ends (space may be back)."""
 
     def forget_older_than(self, step: int) -> None:
         for key in [k for k in self.attempts if k[1] < step]:
             self.attempts.pop(key, None)
+            self.no_space.discard(key)
 
     def given_up(self, name: TierName) -> set[int]:
         """Steps with a shard that failed ``max_attempts`` times on tier ``name`` (not retried;
-        the engine promotes the next eligible step instead)."""
+        the engine promotes the next eligible step instead). A shard refused for want of space
+        only stays given up until its backoff ends, then it is tried again."""
+        now = self.clock()
         return {
             s
-            for (t, s, _r), (n, _) in self.attempts.items()
-            if t == name and n >= self.max_attempts
+            for (t, s, r), (n, not_before) in self.attempts.items()
+            if t == name and n >= self.max_attempts and not self._retry_full((t, s, r), now)
         }
+
+    def _retry_full(self, key: tuple[TierName, int, int], now: float) -> bool:
+        return key in self.no_space and now >= self.attempts.get(key, (0, 0.0))[1]
 
     def reset(self, name: TierName, step: int, rank: int) -> None:
         """Forget the failures of one shard (the SIGTERM flush ignores backoff)."""
         self.attempts.pop((name, step, rank), None)
+        self.no_space.discard((name, step, rank))
 
     def promote_shard(
         self, name: TierName, step: int, rank: int, manifest: Manifest
@@ -105,7 +116,7 @@ class ShardCopier:
         """(committed, bytes written, failure message) for one shard; never raises."""
         key = (name, step, rank)
         attempts, not_before = self.attempts.get(key, (0, 0.0))
-        if attempts >= self.max_attempts:
+        if attempts >= self.max_attempts and not self._retry_full(key, self.clock()):
             return (
                 False,
                 0,
@@ -123,10 +134,14 @@ class ShardCopier:
         except Exception as exc:  # one bad shard never stops the engine
             if isinstance(exc, TierFull):
                 self.full[name] = step
+                self.no_space.add(key)
+            else:
+                self.no_space.discard(key)
             attempts += 1
             self.attempts[key] = (
                 attempts,
-                self.clock() + self.backoff_seconds * 2 ** (attempts - 1),
+                # no space: retried after at most the longest backoff, while it stays full
+                self.clock() + self.backoff_seconds * 2 ** (min(attempts, self.max_attempts) - 1),
             )
             kind: EventKind = "gave_up" if attempts >= self.max_attempts else "failed"
             msg = f"promoting rank {rank} of step {step} to {name} failed ({attempts}/{self.max_attempts}): {exc}"
@@ -134,6 +149,7 @@ class ShardCopier:
             self.emit(PromotionEvent(kind, name, step, (rank,), message=str(exc)))
             return False, 0, msg
         self.attempts.pop(key, None)
+        self.no_space.discard(key)
         return True, nbytes, ""
 
     def holds(self, tier: Tier, step: int, rank: int, manifest: Manifest) -> bool:
