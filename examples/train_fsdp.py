@@ -1,5 +1,5 @@
 """FSDP2 training with Strata checkpoints: sharded state saved per rank, resumed at the same or
-another world size (issue 13).
+another world size.
 
 Launch like any torch.distributed job (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT).
 Outside Kubernetes, give the ranks and a ``strata sidecar`` the same configuration: the sidecar

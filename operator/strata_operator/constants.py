@@ -163,7 +163,7 @@ FIELD_MANAGER: Final = "strata-operator"
 COMPONENT: Final = "strata-operator"
 """``source.component`` / ``reportingComponent`` of the Events the operator posts."""
 
-# --- peer tier (issue 16, docs/peers.md) ------------------------------------------------------
+# --- peer tier (docs/peers.md) ------------------------------------------------------
 
 PEERS_PORT_NAME: Final = "strata-peers"
 ZONE_LABEL: Final = "topology.kubernetes.io/zone"

@@ -101,12 +101,12 @@ class PvcTierConfig(_Frozen):
     keep: Annotated[int, Field(ge=1)] = 2
     every: Interval = Interval(steps=100)
     components: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
-    """Archive tier (issue 18): keep only these top-level components of the state (e.g.
+    """Archive tier: keep only these top-level components of the state (e.g.
     ``("model",)``); its steps are archive-only: listed, verified and exported, never used to
     resume training. None: everything (a tier that restores can use)."""
     incremental: bool = True
     """Store a shard whose chunks mostly equal the newest full shard of the same rank here as an
-    incremental copy that references them (issue 18)."""
+    incremental copy that references them."""
 
 
 class GcsTierConfig(_Frozen):
@@ -117,12 +117,12 @@ class GcsTierConfig(_Frozen):
     keep: Annotated[int, Field(ge=1)] = 3
     every: Interval = Interval(steps=1000)
     components: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
-    """Archive tier (issue 18): keep only these top-level components of the state (e.g.
+    """Archive tier: keep only these top-level components of the state (e.g.
     ``("model",)``); its steps are archive-only: listed, verified and exported, never used to
     resume training. None: everything (a tier that restores can use)."""
     incremental: bool = True
     """Store a shard whose chunks mostly equal the newest full shard of the same rank here as an
-    incremental copy that references them (issue 18)."""
+    incremental copy that references them."""
     endpoint: str | None = None
     """API endpoint override (fake-gcs-server); default: the real service or STORAGE_EMULATOR_HOST."""
     chunk_size_bytes: Annotated[int, Field(ge=256 * 1024)] = 32 * 1024 * 1024
@@ -182,7 +182,7 @@ class StrataConfig(_Frozen):
     writer_id: str | None = None
     """Identity stamped into manifests written by this pod; default ``<pod name or host>``."""
     component_every: dict[str, Annotated[int, Field(ge=1)]] | None = None
-    """Top-level components of a dict state saved at their own cadence (issue 18): name ->
+    """Top-level components of a dict state saved at their own cadence: name ->
     steps between snapshots, carried in between (:mod:`strata.client.cadence`)."""
 
     @model_validator(mode="after")
@@ -203,7 +203,7 @@ class StrataConfig(_Frozen):
         return self
 
     def archive_tiers(self) -> dict[TierName, tuple[str, ...]]:
-        """Durable tiers that keep only some components (issue 18) -> those components."""
+        """Durable tiers that keep only some components -> those components."""
         out: dict[TierName, tuple[str, ...]] = {}
         if self.pvc is not None and self.pvc.components is not None:
             out["pvc"] = self.pvc.components

@@ -42,7 +42,7 @@ class TierState(_Model):
     """Set while the tier cannot take ``keep + 1`` steps (a step failed with no space left while
     the tier held no more than ``keep`` complete older steps, so retention can free nothing and
     promotion to it has stopped advancing): what was needed and what the tier has. The operator
-    shows it in the policy status (issue 11, failure 8)."""
+    shows it in the policy status."""
 
 
 class Promotion(_Model):

@@ -53,3 +53,18 @@ def test_the_code_map_names_every_top_level_package(rel_root: str) -> None:
     packages = sorted(p.name for p in root.iterdir() if (p / "__init__.py").exists())
     missing = [p for p in packages if not re.search(rf"^{re.escape(p)}/", block, flags=re.M)]
     assert not missing, f"docs/architecture.md's code map does not name {missing}"
+
+
+_OUTSIDE = re.compile(r"\b[Ii]ssues? \d+|DESIGN\.md|\.\./shared/")
+
+
+@pytest.mark.parametrize("rel_root", [r for r, _ in maps.PACKAGES])
+def test_runtime_code_cites_nothing_outside_the_repository(rel_root: str) -> None:
+    """No "issue N" (the tracker is not in the repository), no file beside it."""
+    hits = [
+        f"{path.relative_to(maps.ROOT)}:{i}: {line.strip()}"
+        for path in sorted((maps.ROOT / rel_root).rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if _OUTSIDE.search(line)
+    ]
+    assert not hits, "references outside the repository:\n" + "\n".join(hits)

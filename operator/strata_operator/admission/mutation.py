@@ -22,7 +22,8 @@ What an injected pod gets (every name below is a constant of :mod:`strata_operat
   staging) and is stopped before them; a ``startupProbe`` on ``/healthz`` holds back the training
   containers until the RAM slots are pre-faulted; its memory request and limit are the RAM tier's
   ``sizeLimit`` plus an overhead, because tmpfs pages are charged to the container that first
-  touches them and the sidecar pre-faults the slots (DESIGN.md "RAM tier");
+  touches them and the sidecar pre-faults the slots (docs/architecture.md "RAM tier and the
+  training stall");
 * for every training container (``spec.containers``): ``STRATA_CONFIG``
   (:meth:`strata.config.StrataConfig.to_env`), the downward-API identity variables and the RAM and
   PVC mounts;
@@ -226,7 +227,7 @@ class PolicyView:
 
 
 def job_id_for(pod: Mapping[str, Any], namespace: str) -> str:
-    """``<namespace>.<workload>`` (DESIGN.md "Identity"), or the ``strata.dev/run-id`` annotation.
+    """``<namespace>.<workload>`` (docs/architecture.md "Identity"), or the ``strata.dev/run-id`` annotation.
 
     The workload is found from the pod's labels (JobSet, PyTorchJob, Job, in this order: a JobSet's
     pods also carry their child Job's name), then its controller owner reference, then the pod's

@@ -1,4 +1,4 @@
-"""What pod admission does for the peer tier (issue 16, docs/peers.md) with the API.
+"""What pod admission does for the peer tier (docs/peers.md) with the API.
 
 - :func:`pod_workload`: the JobSet or Indexed Job of a pod being admitted, read from the API by the
   pod's labels; :mod:`strata_operator.admission.mutation` computes the peer list from it (pure).

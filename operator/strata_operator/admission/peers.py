@@ -1,4 +1,4 @@
-"""Control-plane side of the peer tier (issue 16, docs/peers.md): pure builders, no API calls.
+"""Control-plane side of the peer tier (docs/peers.md): pure builders, no API calls.
 
 - :func:`peer_secret_name` / :func:`peer_secret_data`: the per-job Secret (``kubernetes.io/tls``)
   whose certificate proves membership of one job: a fresh CA (ECDSA P-256) signs one certificate

@@ -52,7 +52,7 @@ def step_row(loc: Location, job: str, listing: StepListing) -> dict[str, Any]:
         "incarnation": ",".join(incarnations) or None,
         "commit_record": getattr(listing, "has_commit", None) if loc.kind != "ram" else None,
         "bytes": sum(m.data_nbytes for m in manifests),
-        # issue 18: what the copies hold (archive-only components; incremental base steps)
+        # what the copies hold (archive-only components; incremental base steps)
         "archive_only": sorted({c for m in manifests for c in (m.components or [])}) or None,
         "refs_base_steps": sorted({m.refs.base_step for m in manifests if m.refs}) or None,
         "created": None if created is None else output.rfc3339(created),

@@ -8,7 +8,7 @@ manifest, a malformed manifest); ``unreadable`` (a manifest this Strata cannot r
 format version or job, permissions); ``unchecked`` (a RAM copy whose checksums are not computed
 yet, its writer is still running); ``partial`` (data without a manifest: never committed, not a
 bad copy). Any ``corrupt`` or ``unreadable`` copy makes the run fail. Each step's global commit record
-(``commit.json`` in the PVC and GCS tiers, issue 12) is checked too (:func:`commit_rows`).
+(``commit.json`` in the PVC and GCS tiers) is checked too (:func:`commit_rows`).
 """
 
 from __future__ import annotations
@@ -93,12 +93,12 @@ def check(t: Target) -> dict[str, Any]:
 def commit_rows(
     locations: Sequence[Location], jobs: Sequence[str], step: int | None
 ) -> list[dict[str, Any]]:
-    """One row per global commit record (``commit.json``, issue 12) in the given steps: ``ok``
+    """One row per global commit record (``commit.json``) in the given steps: ``ok``
     when it verifies (its seal) and names exactly the shards next to it; ``corrupt`` when torn,
     of another step, or naming a shard that was replaced; ``unreadable`` when it cannot be read.
     Empty where this Strata has no commit records."""
     try:
-        # Issue 12's records; imported by name so that a tree without them type-checks too.
+        # The commit records; imported by name so that a tree without them type-checks too.
         records: Any = importlib.import_module("strata.tiers.records")
     except ImportError:
         return []

@@ -141,7 +141,7 @@ def _same(values: Sequence[Any]) -> bool:
 
 
 SHARDED_TAG = "__sharded__"
-"""Tree node of a sharded tensor (DTensor, declared-replicated) in a manifest (issue 13)."""
+"""Tree node of a sharded tensor (DTensor, declared-replicated) in a manifest."""
 
 
 def _sharded_chunks(rs: RankState) -> dict[str, tuple[Any, Any]]:

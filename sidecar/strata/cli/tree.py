@@ -15,7 +15,7 @@ from strata.format.manifest import Manifest
 
 TENSOR_TAG = "__tensor__"
 SHARDED_TAG = "__sharded__"
-"""A sharded tensor (issue 13): its global shape and this rank's chunk (``Manifest.sharded``);
+"""A sharded tensor: its global shape and this rank's chunk (``Manifest.sharded``);
 ``bytes`` counts what this rank stores (0 where another rank of its replica group does)."""
 _SEQ_TAGS = ("__tuple__", "__set__", "__frozenset__")
 

@@ -1,4 +1,4 @@
-"""Components at their own cadence (issue 18): a slow top-level component of the state (EMA
+"""Components at their own cadence: a slow top-level component of the state (EMA
 weights, a teacher) is snapshotted every ``K`` steps and carried unchanged in between.
 
 :class:`ComponentCadence` gives the saver the state to encode: at a step where the component is

@@ -154,7 +154,7 @@ class Checkpointer:
 
                 reuse = LocalSlotProvider(self.ram, keep=self.config.ram.keep, allocate=False)
                 slot_provider = ReuseFirstSlotProvider(reuse, sidecar)
-                # A restore survives the sidecar going away: direct tier access (issue 11).
+                # A restore survives the sidecar going away: direct tier access.
                 direct = LocalStager(
                     self._restore_tiers,
                     self.ram,
@@ -293,7 +293,7 @@ class Checkpointer:
         so that no save pays for them. ``restore()`` does this in the background by itself;
         call it when training starts without a restore. Raises what slot allocation raises
         (:class:`strata.errors.TierFull`, ...) unless ``background``. The state is encoded
-        with the saves' cache, so that the first save reuses its layout (issue 14, W3)."""
+        with the saves' cache, so that the first save reuses its layout."""
         enc = self.saver.encode_ahead(state)
         cuda = holds_cuda(enc)
         if background:

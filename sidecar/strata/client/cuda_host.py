@@ -1,9 +1,9 @@
-"""RAM slots registered with CUDA, and the device-to-host copy into them (issue 14).
+"""RAM slots registered with CUDA, and the device-to-host copy into them.
 
 A device-to-host copy into pageable memory runs at a third of the PCIe link (the driver bounces
 it through a pinned staging buffer); into memory registered with ``cudaHostRegister`` it runs at
 the link's speed, like ``pin_memory()`` (measured on an H200: 15.1 GB/s into a plain tmpfs slot
-mapping, 55 GB/s after registering the same mapping; issue 14). A slot mapping is registered
+mapping, 55 GB/s after registering the same mapping). A slot mapping is registered
 once, when the state first holds CUDA tensors, and unregistered before it is unmapped.
 
 - :class:`HostRegistry`: registers address ranges, at most ``limit_bytes`` in total (pinned
@@ -185,7 +185,7 @@ class RegisteredSlotMaps(SlotMaps):
 
     def get(self, path: Path) -> mmap.mmap:
         size = os.stat(path).st_size
-        ident = path_identity(path)  # a replaced slot is remapped (issue 11)
+        ident = path_identity(path)  # a replaced slot is remapped
         with self._lock:
             cur = self._maps.get(path)
             hit = cur is not None and cur.size == size and cur.ident == ident

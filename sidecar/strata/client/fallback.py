@@ -1,4 +1,4 @@
-"""Restore that survives the sidecar disappearing (issue 11, failure 4).
+"""Restore that survives the sidecar disappearing.
 
 :class:`SidecarFallbackStager` is the :class:`strata.client.stager.Stager` a trainer uses
 when a sidecar answered at start-up. Each inventory or staging call goes to the sidecar; when

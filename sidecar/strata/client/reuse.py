@@ -1,4 +1,4 @@
-"""In-place reuse of unchanged bytes in RAM slots (issue 18): the RAM tier writes only what
+"""In-place reuse of unchanged bytes in RAM slots: the RAM tier writes only what
 changed, and every slot stays a complete, self-contained copy of its step.
 
 The RAM tier is a ring of ``keep + 1`` slot files per rank (:mod:`strata.tiers.slots`); a save

@@ -5,10 +5,10 @@ RAM ring (:mod:`strata.tiers.slots`), copies every tensor storage into it (sever
 commits the step in the RAM tier with a manifest *without* checksums, and returns: the stall is
 the copy. A background thread then checksums the slot and atomically rewrites the manifest with
 its CRC32Cs (:meth:`strata.tiers.ram.RamTier.seal`) and the per-storage "unchanged since" hint
-(:mod:`strata.client.unchanged`, issue 18); promotion only takes checksummed shards.
+(:mod:`strata.client.unchanged`); promotion only takes checksummed shards.
 The failure policy is :class:`strata.client.checkpointer.Checkpointer`'s (its module docstring).
 
-Overlapped mode, ``save(step, state, blocking=False)`` (issue 14): encodes the state, takes a
+Overlapped mode, ``save(step, state, blocking=False)``: encodes the state, takes a
 slot, *enqueues* the copies (CUDA: non-blocking device-to-host copies on a side stream into the
 registered slot; CPU: the copy threads, started in the background) and returns. The step is
 committed by a background thread when the copies complete. The contract:
@@ -24,7 +24,7 @@ committed by a background thread when the copies complete. The contract:
   step is intact). Changes the version counter cannot see (writes through ``.data`` or through
   another process) are not detected.
 
-Storages left in place (issue 18, :mod:`strata.client.reuse`): a blocking save into a slot
+Storages left in place (:mod:`strata.client.reuse`): a blocking save into a slot
 that already holds some storages' live bytes (a frozen base saved into the same slot one ring
 turn ago) copies only the others. Such a save returns True once the changed bytes are copied;
 its commit follows in the background after the bytes left in place are confirmed by CRC32C

@@ -274,7 +274,7 @@ class ShardReader:
             if not same_logical_shard(held, m) or held.components is not None:
                 raise ShardUnavailable(f"{tier.name} holds another copy of rank {rank}")
         path = tier.data_path(self.job_id, self.step, rank)
-        # an incremental copy (issue 18) stores only changed chunks: fetch_shard reassembles it
+        # an incremental copy stores only changed chunks: fetch_shard reassembles it
         if held.refs is None and path is not None and path.exists():
             return path
         key = (rank, id(tier))

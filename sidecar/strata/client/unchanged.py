@@ -1,4 +1,4 @@
-"""The trainer's hint that a storage did not change between saves (issue 18).
+"""The trainer's hint that a storage did not change between saves.
 
 :class:`UnchangedTracker` records, per storage of each save, the step since which the trainer
 has seen it unchanged: same address, size and device, and no bump of the version counter of any

@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint (DCP) storage backed by Strata's tiers (issue 13).
+"""torch.distributed.checkpoint (DCP) storage backed by Strata's tiers.
 
 ::
 

@@ -150,7 +150,7 @@ class StorageWriter(_Backed, _DcpWriter):
                     storage_data={"rank": ckpt.rank, "item": i},
                 )
             )
-        # wait_copied(): a save that left bytes in place commits in the background (issue 18)
+        # wait_copied(): a save that left bytes in place commits in the background
         if not ckpt.save(self.step, {KEY: items}) or ckpt.wait_copied() is False:
             raise RuntimeError(f"strata: DCP save of step {self.step} failed: {ckpt.last_error}")
         ckpt.wait()

@@ -1,4 +1,4 @@
-"""Global commit record of one step in one tier: ``<job>/steps/<step>/commit.json`` (issue 12).
+"""Global commit record of one step in one tier: ``<job>/steps/<step>/commit.json``.
 
 A step is **complete in a tier** exactly when a commit record verifies there: it is written LAST,
 after every rank's shard of the step is committed in that tier, and only when all those shards
@@ -12,8 +12,8 @@ the restore all-gather, which also compares incarnations.
 
 Extension points (each adds an OPTIONAL field with a default, so records without it still parse
 and code that ignores it keeps working; ``format_version`` stays :data:`FORMAT_VERSION`):
-issue 13 ``tensors`` (global tensor layout and each shard's placement), issue 16 (where peer
-replicas live), issue 18 (``archive_only``, component sources of chunks from earlier steps).
+``tensors`` (global tensor layout and each shard's placement), where peer replicas live, and
+``archive_only`` and the component sources of chunks from earlier steps.
 
 Who writes it and what happens when the writer dies: docs/architecture.md "Global commit".
 """
@@ -74,7 +74,7 @@ class TensorChunk(BaseModel):
 
 
 class TensorLayout(BaseModel):
-    """The global layout of one sharded tensor of the step (issue 13; ``path`` is its place in
+    """The global layout of one sharded tensor of the step (``path`` is its place in
     the state tree, the key shards use in ``Manifest.sharded``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -130,11 +130,11 @@ class StepCommit(SealedRecord):
     created: datetime = Field(default_factory=lambda: datetime.now(UTC))
     shards: list[ShardRef]
     archive_only: bool = False
-    """The shards keep only some components (an archive tier, issue 18): never resumed."""
+    """The shards keep only some components (an archive tier): never resumed."""
     component_steps: dict[str, int] | None = None
-    """Components saved at their own cadence: the step each comes from (issue 18)."""
+    """Components saved at their own cadence: the step each comes from."""
     tensors: list[TensorLayout] = Field(default_factory=list)
-    """Issue 13: the global layout of every sharded tensor (DTensors, declared-replicated
+    """the global layout of every sharded tensor (DTensors, declared-replicated
     tensors) and which rank stores each chunk; empty for a state without them."""
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""Incarnations of a job: every restore (a fresh start included) opens one (issue 12).
+"""Incarnations of a job: every restore (a fresh start included) opens one.
 
 An incarnation is one uninterrupted run of the job's world: its id is chosen by rank 0 and agreed
 by every rank in the restore all-gather, and every shard manifest it writes carries it. Its record,

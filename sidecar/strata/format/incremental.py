@@ -1,4 +1,4 @@
-"""Incremental shards (issue 18): a durable tier stores only the chunks that changed.
+"""Incremental shards: a durable tier stores only the chunks that changed.
 
 The RAM tier always holds a shard's whole data object (the save copies everything: the stall
 does not grow, and a RAM restore needs nothing else). When a shard is promoted into a durable

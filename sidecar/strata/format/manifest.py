@@ -30,9 +30,9 @@ from strata.format.sealed import seal_parts, unseal
 FORMAT_VERSION = 2
 """Version of every Strata record (shard manifest, commit record, incarnation record).
 
-2: manifests carry ``incarnation``; steps get a global commit record (issue 12, with the
-optional fields of issues 11/13/16/18 added under the same number); manifests are sealed like
-the commit record (:mod:`strata.format.sealed`; issue 11)."""
+2: manifests carry ``incarnation``; steps get a global commit record (later
+optional fields were added under the same number); manifests are sealed like
+the commit record (:mod:`strata.format.sealed`)."""
 ALIGN = 64
 """Byte alignment of each storage in the data object (cache line; keeps copies vectorised)."""
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
@@ -104,7 +104,7 @@ class LayoutJson:
 
 
 class ChunkRefs(BaseModel):
-    """An incremental shard (issue 18): chunks of the *logical* data object that this tier does
+    """An incremental shard: chunks of the *logical* data object that this tier does
     not store again because they are byte-identical to the same chunks of ``base_step`` (a full
     shard of the same rank, incarnation and layout, committed in the same tier).
 
@@ -181,13 +181,13 @@ class Manifest(BaseModel):
     unchanged_since: list[int] | None = None
     """Per storage: the step since which the trainer saw the storage unchanged (same address
     and size, no tensor version-counter bump). A HINT only, confirmed by CRC32C before any
-    bytes are referenced instead of copied (issue 18); None: no hint."""
+    bytes are referenced instead of copied; None: no hint."""
     refs: ChunkRefs | None = None
     component_steps: dict[str, int] | None = None
-    """Components saved at their own cadence (issue 18): the step each one's bytes come from
+    """Components saved at their own cadence: the step each one's bytes come from
     (:mod:`strata.client.cadence`). None: every component is from ``step``."""
     components: list[str] | None = None
-    """Archive-only shard (issue 18): it holds only these top-level components of the state
+    """Archive-only shard: it holds only these top-level components of the state
     (:mod:`strata.format.projection`); it is never used to resume training. None: everything."""
     """Set only on an incremental copy in a durable tier (never in RAM); see :class:`ChunkRefs`."""
     sharded: list[ShardedEntry] = Field(default_factory=list)
@@ -241,7 +241,7 @@ class Manifest(BaseModel):
 
     def to_json(self) -> bytes:
         """The stored form: the JSON sealed with its CRC32C (:func:`strata.format.sealed.seal`),
-        so every tier verifies it on the raw bytes before any field is read (issue 11).
+        so every tier verifies it on the raw bytes before any field is read.
 
         A manifest of an encoded layout (:meth:`with_layout_json`: the trainer's saves) is
         remembered with its bytes, so that reading those very bytes back in this process

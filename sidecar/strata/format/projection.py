@@ -1,4 +1,4 @@
-"""Archive-only shards (issue 18): a tier that keeps only chosen top-level components of the
+"""Archive-only shards: a tier that keeps only chosen top-level components of the
 state (e.g. ``model`` and not ``optim``, 2/3 of an Adam checkpoint).
 
 :func:`project` turns the manifest of a full shard into the manifest of the shard holding only

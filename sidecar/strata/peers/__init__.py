@@ -1,4 +1,4 @@
-"""Peer tier (issue 16): RAM-tier copies on other nodes, by replication or erasure coding.
+"""Peer tier: RAM-tier copies on other nodes, by replication or erasure coding.
 
 A node's RAM tier dies with the node. The sidecars of one job therefore keep what they need to
 rebuild each other's newest RAM steps in each other's RAM, so a replacement pod restores the

@@ -1,4 +1,4 @@
-"""Configuration of the peer tier (issue 16): one frozen pydantic model, part of the Strata config.
+"""Configuration of the peer tier: one frozen pydantic model, part of the Strata config.
 
 The webhook fills it from the CheckpointPolicy (``spec.peers``) and the workload: the list of
 peers is computed from the pod names the workload controller gives (JobSet:

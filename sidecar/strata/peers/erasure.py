@@ -1,6 +1,6 @@
 """Reed-Solomon over GF(2^8) for the peer tier, on zfec (imported lazily).
 
-Library choice (issue 16 asks to evaluate before writing any GF arithmetic; measured on this
+Library choice (evaluated before writing any GF arithmetic of our own; measured on this
 project's 2-core CI machine, RS(6, 2), 4 MiB blocks, one core, bench/peers.py):
 
 - ``zfec`` 1.6 (Tahoe-LAFS; C, manylinux wheel, no dependencies): encode ~580 MB/s of input,

@@ -1,6 +1,6 @@
 """Where copies go: pure functions of the job's peers (no I/O), deterministic on every sidecar.
 
-Rules (issue 16):
+Rules:
 
 - a copy or a parity block is never on the node (Kubernetes node) of the data it protects;
 - where peers carry a failure-domain label (``topology.kubernetes.io/zone``, a rack label), a full

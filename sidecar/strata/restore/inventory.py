@@ -29,14 +29,14 @@ def collect_inventory(
     Steps whose manifests record another world size, or none readable (unknown format version,
     malformed), are noted and left out: they cannot be restored by this job as it runs.
 
-    Incarnations (issue 12): a RAM step is listed with the incarnation of this rank's shard; a
+    Incarnations: a RAM step is listed with the incarnation of this rank's shard; a
     shared tier's (PVC, GCS) step with a global commit record for every rank when the record
     verifies and this rank's shard there is the one it committed (else the step is unusable for
     this rank), and without a record for this rank alone, with its shard's incarnation (the
     plan only combines shards of one live incarnation). Every incarnation record
     found goes into the inventory for the plan's lineage.
     A manifest that fails its seal or names another shard is a corrupt copy: it is quarantined
-    there (issue 11), so it is never listed again and never served.
+    there, so it is never listed again and never served.
     """
     committed: dict[str, dict[int, frozenset[int]]] = {}
     partial: dict[str, dict[int, frozenset[int]]] = {}

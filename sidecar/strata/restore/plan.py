@@ -8,7 +8,7 @@ docs/architecture.md "Restore (nearest surviving tier)":
 2. with torch.distributed the ranks all-gather their inventories so that :func:`plan_restore`,
    a pure function of the gathered inventories, picks the *same* step on every rank: the newest
    step for which EVERY rank has a committed shard in some tier it can reach, all of ONE live
-   incarnation (issue 12: a shared tier's step counts only with its global commit record; the
+   incarnation (a shared tier's step counts only with its global commit record; the
    lineage of the gathered incarnation records rules out superseded steps). Ranks never mix
    steps (C-07) nor incarnations. A *local* tier (RAM: a node's tmpfs) only serves the rank that reported it; a
    shared tier (PVC, GCS) serves every rank;

@@ -105,7 +105,7 @@ def stage_shard(
                 _check_resumable(m, tier)
                 n = logical_nbytes(m)
                 path = slot_path(n) if callable(slot_path) else Path(slot_path)
-                if m.refs is not None:  # an incremental copy: its base's chunks too (issue 18)
+                if m.refs is not None:  # an incremental copy: its base's chunks too
                     m = fetch_full(tier, job_id, step, rank, m, path)
                 else:
                     m = tier.fetch_shard(job_id, step, rank, path, verify=verify)

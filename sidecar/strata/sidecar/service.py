@@ -1,6 +1,6 @@
 """The sidecar process (``strata sidecar``): start-up, serving, promotion loop, SIGTERM flush.
 
-Life cycle (docs/architecture.md "Parts and data flow"; issue 3):
+Life cycle (docs/architecture.md "Parts and data flow"):
 
 1. Configuration: :meth:`StrataConfig.from_env` and the tier policies; invalid -> exit 2 with a
    message naming the setting (:func:`main`).
@@ -454,7 +454,7 @@ class Sidecar:
         self.start_background()
         # A timed wait: a process-directed SIGTERM may be delivered to any thread; CPython runs
         # the handler only when the main thread next executes bytecode, which an untimed
-        # Event.wait() never does (issue 11, failure 7).
+        # Event.wait() never does.
         while not self.terminate.wait(TERM_POLL_SECONDS):
             pass
         return self.shutdown()

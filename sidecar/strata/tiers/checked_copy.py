@@ -1,5 +1,5 @@
 """One-pass checked copy: each block of the source is read once, checksummed and written from
-the same buffer (issue 14, item 5: promotion at the copy floor).
+the same buffer (item 5: promotion at the copy floor).
 
 The bytes checksummed are the bytes written, so the copy needs no second read of the source and
 no read-back of the destination (a read-back after ``fsync`` reads the page cache, not the

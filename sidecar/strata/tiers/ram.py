@@ -151,7 +151,7 @@ class RamTier(PosixTier):
         The data link is checked to be that inode before the manifest is written and again
         after it; when it is not (the slot was replaced, or the link removed under us), the
         shard is un-committed and :class:`TierError` raised, so a save never reports a commit
-        whose data is not the bytes it wrote (issue 11, failures 1 and 2).
+        whose data is not the bytes it wrote.
         """
         manifest.check_identity(job_id, step, rank, None)
         d = self.step_dir(job_id, step)

@@ -1,4 +1,4 @@
-"""Global commit records and incarnation records in a tier (issue 12), through the Tier contract.
+"""Global commit records and incarnation records in a tier, through the Tier contract.
 
 - :func:`commit_if_complete`: the step's global commit record, written when every rank's shard of
   one incarnation is committed in the tier (conditional create: ``O_EXCL`` + ``link`` on POSIX,

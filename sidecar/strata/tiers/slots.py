@@ -6,7 +6,7 @@ process: :class:`LocalSlotProvider`; the sidecar serves it over its socket), :cl
 the readers' shared lock, :class:`SlotWriteLock` the writer's exclusive lock, :class:`SlotMaps`
 the writer's persistent mappings.
 
-Ownership across restarts (issue 11; docs/architecture.md "RAM tier and the training stall"):
+Ownership across restarts (docs/architecture.md "RAM tier and the training stall"):
 
 - **Writing** a slot needs ``flock(LOCK_EX)`` on it (:class:`SlotWriteLock`); reading needs
   ``LOCK_SH`` (:class:`SlotLease`). Both die with their process, so a restarted trainer or

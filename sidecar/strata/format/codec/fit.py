@@ -2,8 +2,8 @@
 
 :func:`check_fits` walks a manifest's tree alongside the live state the way
 :func:`strata.format.codec.load_into` will, without reading the data object or changing
-anything, and raises one :class:`CodecError` naming every path where they differ (issue 11,
-failure 5: a restore is all or nothing). The rules:
+anything, and raises one :class:`CodecError` naming every path where they differ (a restore
+is all or nothing). The rules:
 
 - a live tensor needs a saved tensor of the same dtype and shape at its path;
 - a non-empty live dict needs exactly the saved keys (an empty one is filled, e.g. an

@@ -73,10 +73,10 @@ class ShardCopier:
         self.incremental_tiers = dict(incremental_tiers or {})
         """Per tier: False turns incremental copies off there (``incremental`` is for all)."""
         self.components = {k: tuple(v) for k, v in (components or {}).items()}
-        """Archive tiers: the top-level components each keeps (issue 18)."""
+        """Archive tiers: the top-level components each keeps."""
         self.bases: dict[tuple[TierName, int], int] = {}
         """(tier, rank) -> the newest full shard this copier committed there (the base that
-        later incremental copies reference, issue 18)."""
+        later incremental copies reference)."""
         self._looked: set[tuple[TierName, int]] = set()
         self.attempts: dict[tuple[TierName, int, int], tuple[int, float]] = {}
         """(tier, step, rank) -> (failed attempts, not before this clock time)."""

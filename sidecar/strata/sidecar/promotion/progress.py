@@ -1,7 +1,7 @@
 """Where one durable tier stands for the current incarnation, and which RAM step it takes next.
 
 A tier's progress is keyed on **its own committed global steps of the current incarnation's
-lineage** (issue 12): steps with a verifying commit record (``commit.json``) whose incarnation is
+lineage**: steps with a verifying commit record (``commit.json``) whose incarnation is
 live (:class:`strata.format.incarnation.Lineage`). A stale or foreign step (another world size,
 another run of the same job id, a superseded replay) never sets the interval, never blocks a
 promotion and never counts as newest for retention.

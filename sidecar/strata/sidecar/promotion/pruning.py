@@ -93,7 +93,7 @@ def shrink_slot_rings(ram: RamTier, job_id: str, keep: int) -> None:
 
     A slot is deleted only when nobody writes, reads or maps it
     (:func:`strata.tiers.slots.remove_slot_if_unused`): a trainer that kept running while its
-    sidecar restarted keeps every slot it maps (issue 11, failure 1).
+    sidecar restarted keeps every slot it maps.
     """
     for rank in ram.slot_ranks(job_id):
         for path in remove_stale_first_slots(slots_dir(ram.root, job_id, rank)):

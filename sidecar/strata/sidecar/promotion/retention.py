@@ -52,7 +52,7 @@ def plan_retention(
     save or a promotion may be in flight); an incomplete step older than it is garbage once its
     newest file is older than ``grace_seconds`` (``now`` and ``mtime``: seconds since the epoch;
     a listing without ``mtime`` counts from ``first_seen[step]``, when this engine first saw it).
-    ``complete``: the steps that count as complete (issue 12: the tier's live committed global
+    ``complete``: the steps that count as complete (the tier's live committed global
     steps); default: every listing whose ranks are all there.
     """
     done = sorted(
@@ -137,7 +137,7 @@ class Retention:
             complete=complete,
         )
         touched: list[int] = []
-        # A base step lives as long as a step that is kept references it (issue 18).
+        # A base step lives as long as a step that is kept references it.
         pruned = set(plan.prune) | set(plan.gc)
         kept = [s for s, lst in listings.items() if s not in pruned and lst.committed_ranks]
         needed = referenced_bases(tier, self.job_id, kept, ranks)

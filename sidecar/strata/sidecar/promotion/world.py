@@ -1,4 +1,4 @@
-"""What this node's RAM tier says about the job's current incarnation (issue 12).
+"""What this node's RAM tier says about the job's current incarnation.
 
 The sidecar never trusts leftover directories for "who is in the world": the *current
 incarnation* is the newest one named on this node (an incarnation record the trainer wrote at

@@ -1,11 +1,11 @@
 """One streamed upload of a byte range of a local file: a resumable upload session (opened by
 the client, with the object's metadata and ``ifGenerationMatch=0``) finished by ONE ``PUT`` whose
-body is read from the file in 1 MiB blocks, each block CRC32C-checked as it is read (issue 14,
-item 5: GCS promotion at the copy floor).
+body is read from the file in 1 MiB blocks, each block CRC32C-checked as it is read (GCS
+promotion at the copy floor).
 
 Why not ``Blob.upload_from_file``: the client reads a resumable upload ``chunk_size`` bytes at a
 time into memory and sends each in its own request. With chunks small enough for the sidecar's
-memory budget (8 MiB, issue 11) a shard took many requests, and each costs a round trip (and
+memory budget (8 MiB) a shard took many requests, and each costs a round trip (and
 fake-gcs-server re-handles the whole object per request: measured, a 71 MB shard in 8 MiB chunks
 took 2.4x ``upload_from_filename``'s one 100 MiB request). Here the body streams from the file:
 one request per object, 1 MiB of memory per upload, whatever the object's size.

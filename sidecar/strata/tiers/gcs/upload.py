@@ -43,7 +43,7 @@ SIMPLE_UPLOAD_MAX_BYTES = 8 * 1024 * 1024
 """Shards up to this size go up in one multipart request of the client (it holds them in
 memory; the client's own limit for that kind of upload). Larger ones stream from the file in
 1 MiB blocks (:mod:`strata.tiers.gcs.stream`), one request per object or composite part, so
-an upload holds at most ``max_workers`` blocks whatever the shard size (issue 11, failure 6:
+an upload holds at most ``max_workers`` blocks whatever the shard size (failure 6:
 the client's resumable uploads read ``chunk_size`` bytes at a time, and the sidecar's memory
 grew with the shard); see README "Sidecar memory"."""
 
