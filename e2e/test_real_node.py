@@ -21,6 +21,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +289,58 @@ def saved_events(
     return [e for e in pod_events(cluster, ns, pod, previous) if e["event"] == "saved" and e["ok"]]
 
 
+@dataclass
+class Sigkilled:
+    """What `sigkill_trainer_and_restore` saw: the trainer's ``restored`` event after the
+    restart, the steps it saved before the kill (``{step: weights_sha256}``), and seconds from
+    the kill to the restarted container running and to the restored event."""
+
+    restored: dict[str, Any]
+    saved: dict[int, str]
+    restart_s: float
+    restore_s: float
+
+
+def sigkill_trainer_and_restore(
+    cluster: LocalCluster, ns: str, node: RealNode, name: str, pod: dict[str, Any]
+) -> Sigkilled:
+    """SIGKILL the trainer container's PID 1 of the running pod ``name`` (``pod``: its object)
+    through containerd, wait for the kubelet to restart it and for its ``restored`` event, and
+    assert it restored from RAM the newest step saved before the kill (or the one before it,
+    when the kill hit a save still being copied) with the bytes saved."""
+    # SIGKILL the trainer's process (the container's PID 1) through containerd.
+    cid = container_status(pod, "trainer")["containerID"].split("://", 1)[1]
+    saves_before = saved_events(cluster, ns, name)
+    node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
+    killed = time.monotonic()
+
+    def restarted() -> dict[str, Any] | None:
+        p = kubectl_json(cluster, "-n", ns, "get", "pod", name)
+        st = container_status(p, "trainer")
+        return p if st.get("restartCount", 0) >= 1 and st.get("state", {}).get("running") else None
+
+    pod = wait_for("the kubelet to restart the trainer", restarted, timeout=120)
+    restart_s = time.monotonic() - killed
+    term = container_status(pod, "trainer")["lastState"]["terminated"]
+    assert term["exitCode"] == 137, term
+    saves = saved_events(cluster, ns, name, previous=True)
+    assert len(saves) >= len(saves_before)
+    restored = wait_for(
+        "the restored event",
+        lambda: next((e for e in pod_events(cluster, ns, name) if e["event"] == "restored"), None),
+        timeout=180,
+    )
+    restore_s = time.monotonic() - killed
+    by_step = {e["step"]: e["weights_sha256"] for e in saves}
+    newest = max(by_step)
+    assert restored["tier"] == "ram", restored
+    # The newest saved step (a save still being copied at the kill may not be committed: then
+    # the one before it).
+    assert restored["step"] in (newest, newest - RAM_EVERY), (restored, sorted(by_step))
+    assert restored["weights_sha256"] == by_step[restored["step"]]
+    return Sigkilled(restored, by_step, restart_s, restore_s)
+
+
 @pytest.fixture
 def flow(
     k8s_cluster: LocalCluster,
@@ -323,41 +376,13 @@ def test_injected_pod_sigkill_restores_from_ram(
     wait_for("three RAM saves", lambda: len(saved_events(cluster, ns, name)) >= 3, timeout=240)
     first = pod_events(cluster, ns, name)
     assert first[0]["event"] == "restored" and first[0]["step"] is None
-    # SIGKILL the trainer's process (the container's PID 1) through containerd.
-    cid = container_status(pod, "trainer")["containerID"].split("://", 1)[1]
-    saves_before = saved_events(cluster, ns, name)
-    node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
-    killed = time.monotonic()
-
-    def restarted() -> dict[str, Any] | None:
-        p = kubectl_json(cluster, "-n", ns, "get", "pod", name)
-        st = container_status(p, "trainer")
-        return p if st.get("restartCount", 0) >= 1 and st.get("state", {}).get("running") else None
-
-    pod = wait_for("the kubelet to restart the trainer", restarted, timeout=120)
-    restart_s = time.monotonic() - killed
-    term = container_status(pod, "trainer")["lastState"]["terminated"]
-    assert term["exitCode"] == 137, term
-    saves = saved_events(cluster, ns, name, previous=True)
-    assert len(saves) >= len(saves_before)
-    restored = wait_for(
-        "the restored event",
-        lambda: next((e for e in pod_events(cluster, ns, name) if e["event"] == "restored"), None),
-        timeout=180,
-    )
-    restore_s = time.monotonic() - killed
-    by_step = {e["step"]: e["weights_sha256"] for e in saves}
-    newest = max(by_step)
-    assert restored["tier"] == "ram", restored
-    # The newest saved step (a save still being copied at the kill may not be committed: then
-    # the one before it).
-    assert restored["step"] in (newest, newest - RAM_EVERY), (restored, sorted(by_step))
-    assert restored["weights_sha256"] == by_step[restored["step"]]
+    killed = sigkill_trainer_and_restore(cluster, ns, node, name, pod)
+    restored = killed.restored
     _report(
         request,
-        f"pod Running {running_s:.1f} s; kubelet restart after SIGKILL {restart_s:.1f} s; "
+        f"pod Running {running_s:.1f} s; kubelet restart after SIGKILL {killed.restart_s:.1f} s; "
         f"restored step {restored['step']} from {restored['tier']} in {restored['seconds']} s, "
-        f"{restore_s:.1f} s after the kill",
+        f"{killed.restore_s:.1f} s after the kill",
     )
 
 

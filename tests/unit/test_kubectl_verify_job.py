@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from strata_operator.kubectl import PluginError
-from strata_operator.kubectl.verify import verify_job_manifest
+from strata_operator.kubectl.verify import placement_of, verify_job_manifest
 from tests.fixtures.pods import policy_obj
 
 pytestmark = pytest.mark.unit
@@ -50,3 +50,31 @@ def test_a_ram_only_policy_has_nothing_a_job_can_verify() -> None:
             policy_obj(pvc=None), "team-a.x", step=None, fmt="table", image=None,
             service_account=None,
         )  # fmt: skip
+
+
+def test_the_verify_pod_runs_where_the_job_runs_its_node_selector_and_tolerations() -> None:
+    training_pod = {
+        "nodeSelector": {"pool": "a100"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}},
+        "serviceAccountName": "trainer",
+    }
+    placement = placement_of(training_pod)
+    assert placement == {
+        "nodeSelector": {"pool": "a100"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    }
+    job = verify_job_manifest(
+        policy_obj(), "team-a.x", step=None, fmt="table", image=None, service_account=None,
+        placement=placement,
+    )  # fmt: skip
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "a100"}
+    assert pod["tolerations"] == training_pod["tolerations"]
+    assert "affinity" not in pod
+    # Without a training pod (none found), the scheduler's defaults.
+    bare = verify_job_manifest(
+        policy_obj(), "team-a.x", step=None, fmt="table", image=None, service_account=None,
+        placement=placement_of({}),
+    )["spec"]["template"]["spec"]  # fmt: skip
+    assert "nodeSelector" not in bare and "tolerations" not in bare

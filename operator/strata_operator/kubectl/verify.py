@@ -4,8 +4,9 @@ A ``batch/v1`` Job in the job's namespace (the PVC is only mountable there) runs
 image's ``strata verify /strata/pvc [gs://BUCKET/PREFIX] --job JOB [--step S] -o FMT``, mounting
 the policy's claim read-only (with its ``subPath``). GCS credentials: the ``--service-account``
 given, else the service account of one of the job's pods (workload identity); a ``SecretRef``
-key of the policy is mounted and named by ``GOOGLE_APPLICATION_CREDENTIALS``. The RAM tier is on
-each training node and is not verified here (a restore verifies it before it serves).
+key of the policy is mounted and named by ``GOOGLE_APPLICATION_CREDENTIALS``. The pod takes the
+``nodeSelector`` and ``tolerations`` of one of the job's pods, so it runs where the job runs (a
+tainted pool of training nodes, a claim reachable only there). The RAM tier is on each training node and is not verified here (a restore verifies it before it serves).
 
 The pod carries no ``strata.dev/policy`` label, so the webhook leaves it alone; it runs as
 non-root with the restricted Pod Security Standard's settings. The plugin waits for the pod to
@@ -39,18 +40,28 @@ def _label_value(job: str) -> str:
     return v or "job"
 
 
-def _job_service_account(cluster: Cluster, ns: str, job: str) -> str | None:
+def _job_pod_spec(cluster: Cluster, ns: str, job: str) -> dict[str, Any]:
+    """The spec of one injected pod of ``job`` in ``ns``; ``{}`` when it has none."""
     for pod in cluster.pods(ns):
         meta = pod.get("metadata") or {}
         if INJECTED_ANNOTATION not in (meta.get("annotations") or {}):
             continue
         try:
             if job_id_for(pod, ns) == job:
-                sa = (pod.get("spec") or {}).get("serviceAccountName")
-                return str(sa) if sa else None
+                return dict(pod.get("spec") or {})
         except ValueError:
             continue
-    return None
+    return {}
+
+
+def placement_of(pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """The ``nodeSelector`` and ``tolerations`` of a training pod's spec (absent keys left out).
+
+    The verify pod takes them so that it can run on the nodes the job runs on: where the claim
+    is known to mount and whose taints the job tolerates. Affinity is not copied (a workload's
+    pod (anti-)affinity names its own pods' labels, which the verify pod does not carry).
+    """
+    return {k: pod_spec[k] for k in ("nodeSelector", "tolerations") if pod_spec.get(k)}
 
 
 def verify_job_manifest(
@@ -61,8 +72,12 @@ def verify_job_manifest(
     fmt: str,
     image: str | None,
     service_account: str | None,
+    placement: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The Job object (a dict) verifying ``job``'s durable tiers of ``policy``. Pure.
+
+    ``placement``: ``nodeSelector`` / ``tolerations`` for the pod (:func:`placement_of` of one
+    of the job's pods), copied as given.
 
     Raises :class:`PluginError` when the policy has neither a PVC nor a GCS tier.
     """
@@ -137,6 +152,9 @@ def verify_job_manifest(
     }
     if service_account:
         pod_spec["serviceAccountName"] = service_account
+    for key in ("nodeSelector", "tolerations"):
+        if (placement or {}).get(key):
+            pod_spec[key] = (placement or {})[key]
     labels = {"app.kubernetes.io/name": "strata-verify", VERIFY_LABEL: _label_value(job)}
     return {
         "apiVersion": "batch/v1",
@@ -180,9 +198,16 @@ def verify(cluster: Cluster, args: argparse.Namespace) -> int:
     else:
         policy, _ = find_job(cluster, args.job, args.namespace, args.all_namespaces)
     ns = policy["metadata"]["namespace"]
-    sa = args.service_account or _job_service_account(cluster, ns, args.job)
+    job_pod = _job_pod_spec(cluster, ns, args.job)
+    sa = args.service_account or job_pod.get("serviceAccountName") or None
     manifest = verify_job_manifest(
-        policy, args.job, step=args.step, fmt=args.output, image=args.image, service_account=sa
+        policy,
+        args.job,
+        step=args.step,
+        fmt=args.output,
+        image=args.image,
+        service_account=sa,
+        placement=placement_of(job_pod),
     )
     created: Any = cluster.batch.create_namespaced_job(ns, cast(Any, manifest))
     name = created.metadata.name
