@@ -98,11 +98,19 @@ def _free_port() -> int:
 
 def one_run(case: str, timeout: float) -> dict[str, Any]:
     """Spawn one sidecar in ``case``'s way; return its timings (seconds)."""
-    from strata.config import StrataConfig
-
     ram = Path("/dev/shm") / f"strata-bench-ready-{uuid.uuid4().hex[:8]}"
     work = Path(tempfile.mkdtemp(prefix="strata-bench-ready-"))
-    ram.mkdir()
+    try:
+        ram.mkdir()
+        return _time_one(case, timeout, ram, work)
+    finally:
+        shutil.rmtree(ram, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _time_one(case: str, timeout: float, ram: Path, work: Path) -> dict[str, Any]:
+    from strata.config import StrataConfig
+
     config = StrataConfig.parse(
         {
             "job_id": "bench.ready",
@@ -150,8 +158,6 @@ def one_run(case: str, timeout: float) -> dict[str, Any]:
     finally:
         proc.kill()
         proc.wait(30)
-        shutil.rmtree(ram, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
     return {
         "case": case,
         "first_answer_s": first_answer,
