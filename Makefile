@@ -12,6 +12,7 @@ PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
 .PHONY: maps help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
         manifests manifests-check dist chart bench bench-sharded bench-smoke scale-data goodput tools node-prereqs images cluster-up cluster-down scale clean chaos
+.PHONY: bench-ready
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -112,6 +113,10 @@ bench: $(STAMP) ## benchmarks with side-by-side ratios -> bench/results/
 
 bench-sharded: $(STAMP) ## sharded DTensor workload over 4 CPU ranks (issue 13) -> bench/results/sharded.json
 	$(BIN)/python -m bench.sharded $(BENCH_ARGS)
+
+READY_ARGS ?=
+bench-ready: $(STAMP) ## sidecar time to ready beside a CPU-saturating trainer, vs idle and vs nice 19 (READY_ARGS) -> bench/results/ready.json
+	$(BIN)/python -m bench.ready $(READY_ARGS)
 
 ifeq ($(CHAOS_LONG),1)
 CHAOS_ARGS ?= --crash-points 2000 --corruptions 1000 --seed 1 --max-seconds 3600

@@ -12,9 +12,11 @@ handler never sees SIGTERM at all).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +31,7 @@ import torch
 from strata.client import Checkpointer
 from strata.client.sidecar_client import connect
 from strata.config import StrataConfig
+from strata.sidecar.priority import STEADY_NICE, thread_ioprio
 from strata.tiers.posix import PosixTier
 from tests.fixtures.preempted import SAVE_EVERY, expected
 from tests.fixtures.sidecar import REPO, SidecarProcess, free_port
@@ -310,18 +313,68 @@ def test_a_trainer_as_pid_1_of_its_pid_namespace_reacts_to_sigterm(
     assert_restores(ram_dirs, pvc, newest)
 
 
+def _thread_nice(pid: int) -> dict[int, int]:
+    """{tid: nice} of every thread of process ``pid`` (field 19 of proc_pid_stat(5))."""
+    nice = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            nice[int(task.name)] = int(fields[16])
+    return nice
+
+
+def _new_threads(pid: int, before: set[int], what: str) -> dict[int, int]:
+    """{tid: nice} of the threads of ``pid`` that were not in ``before``, once there is one."""
+    wait_until(lambda: bool(set(_thread_nice(pid)) - before), 30, what)
+    return {t: n for t, n in _thread_nice(pid).items() if t not in before}
+
+
 def test_the_sidecar_keeps_its_main_thread_at_normal_priority_and_lowers_promotion_threads(
     tmp_path: Path, ram_dirs: Callable[[], Path], sidecar_proc: Start
 ) -> None:
     """Start-up, the readiness probe, the local API and the termination flush run at the pod's
-    priority; only steady-state promotion is polite (nice 19)."""
-    side = sidecar_proc(config_for(ram_dirs(), tmp_path / "pvc"))
+    priority; only steady-state promotion is polite (nice 19, I/O best-effort 7).
+
+    The thread that answers a probe is caught in the act: a request left unfinished on the
+    socket keeps its handler thread (started by the server on accept) waiting for the rest."""
+    config = config_for(ram_dirs(), tmp_path / "pvc")
+    side = sidecar_proc(config)
     pid = side.proc.pid
-    nice = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        nice[int(task.name)] = int(fields[16])  # field 19 of stat(5): nice
     base = os.getpriority(os.PRIO_PROCESS, 0)
+    polite = 2 << 13 | 7  # ioprio_set(2): class best-effort (2), level 7
+    # The promotion loop lowers itself first thing (it starts just after readiness).
+    wait_until(
+        lambda: any(
+            n == STEADY_NICE and thread_ioprio(t) in (None, polite)
+            for t, n in _thread_nice(pid).items()
+        ),
+        30,
+        "the promotion thread at nice 19",
+    )
+    nice = _thread_nice(pid)
     assert nice[pid] == base
-    assert 19 in nice.values()
-    assert sum(1 for n in nice.values() if n == base) >= 2  # and the servers' threads
+    promotion = {t for t, n in nice.items() if n == STEADY_NICE}
+    assert sum(1 for n in nice.values() if n == base) >= 3, nice  # main + the two servers
+
+    # The readiness probe: /healthz on the metrics port, answered in a thread of its own.
+    before = set(_thread_nice(pid))
+    with socket.create_connection(("127.0.0.1", config.metrics_port), timeout=10) as probe:
+        probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        handler = _new_threads(pid, before, "a thread answering the probe")
+        assert set(handler.values()) == {base}, handler
+        assert all(thread_ioprio(t) != polite for t in handler)
+        probe.sendall(b"Connection: close\r\n\r\n")
+        assert probe.recv(64).split(b" ")[1] == b"200"
+
+    # The termination flush: a notice announcing a final save holds the flush thread for a
+    # few seconds (HOLD_MAX_SECONDS), long enough to read its priority.
+    client = connect(config.socket)
+    assert client is not None
+    before = set(_thread_nice(pid))
+    reply = client.terminate(JOB, 0, since_signal_seconds=0.0, final_save=True)
+    assert reply.started
+    flush = _new_threads(pid, before, "the termination flush thread")
+    assert set(flush.values()) == {base}, flush
+    assert all(thread_ioprio(t) != polite for t in flush)
+    # and nothing the notice started lowered anyone else
+    assert {t for t, n in _thread_nice(pid).items() if n == STEADY_NICE} <= promotion
