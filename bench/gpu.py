@@ -15,7 +15,9 @@ slot allocation done at restore), and ``restore()`` into the live GPU tensors.
 Prints the table and writes ``<out>/gpu-latest.json`` (every sample, and a top-level ``ratios``
 object: the keys of :data:`RATIOS`, each with its target). Without a CUDA device it measures
 nothing, says so, writes nothing and exits 0 (``--require-gpu``: exit 3 instead), so CI can run
-its argument parsing.
+its argument parsing. The JSON's ``roundtrip`` holds a bit-exact save/restore check per kind
+(:data:`KINDS`: bf16, fp32, fp8, views, non-contiguous tensors, a DTensor on a 1-rank mesh);
+``--cpu-smoke`` runs only that check, on CPU tensors, GPU or not.
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--skip-dcp", action="store_true", help="leave out dcp.save/async_save")
     ap.add_argument("--require-gpu", action="store_true", help="exit 3 without a CUDA device")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="only the bit-exact round trip, on CPU tensors (gloo mesh); exit 1 if a kind fails",
+    )
     args = ap.parse_args(argv)
     if args.gb <= 0 or args.tensors < 1 or args.rounds < 1 or args.warmup < 0:
         ap.error("--gb must be > 0, --tensors and --rounds >= 1, --warmup >= 0")
@@ -170,6 +177,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log: Callable[[str], None] = lambda s: print(s, flush=True)  # noqa: E731
     out: dict[str, Any] = {"machine": _machine(dev), "nbytes": nbytes, "tensors": args.tensors}
     try:
+        try:  # recorded, not raised: the one call on a lent GPU still measures the rest
+            out["roundtrip"] = run_roundtrip(work, args.device)
+        except Exception as exc:
+            out["roundtrip"] = {"ok": False, "kinds": {}, "failures": [f"raised: {exc!r}"]}
+        log(f"round trip: {out['roundtrip']}")
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         pageable = torch.empty(nbytes, dtype=torch.uint8)
         pageable.fill_(0)  # fault it in: the floor measures the copy, not first touch
@@ -290,6 +302,144 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+KINDS = ("bf16", "fp32", "fp8_e4m3fn", "views", "non_contiguous", "dtensor")
+"""The round trip's kinds, as keys of ``roundtrip`` in the JSON (fp8 only where torch has it)."""
+
+
+def _init_world_of_one(work: Path, backend: str) -> bool:
+    """A process group of world size 1 (``backend``: gloo or nccl) on a file store under
+    ``work``, unless one exists; returns True when this call made it (the caller destroys it)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    store = dist.FileStore(str(work / "pg-store"), 1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    return True
+
+
+def roundtrip_state(place: Callable[[Any], Any], mesh: Any = None) -> dict[str, Any]:
+    """A seeded state of every kind in :data:`KINDS`; ``place`` moves a CPU tensor onto the
+    device under test (``t.to("cuda:0")``, a stand-in device's ``tensor``, or identity).
+
+    Views and non-contiguous tensors are taken *after* placement, so they share the placed
+    storage. ``mesh``: a 1-rank device mesh for the DTensor entry (left out when None)."""
+    import torch
+
+    g = torch.Generator().manual_seed(25)
+    s: dict[str, Any] = {
+        "bf16": place(torch.randn(4099, generator=g).to(torch.bfloat16)),
+        "fp32": place(torch.randn(3, 1031, generator=g)),
+    }
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is not None:
+        # every bit pattern of a byte, NaN included: a round trip must not canonicalise any
+        s["fp8_e4m3fn"] = place(torch.arange(256, dtype=torch.uint8).repeat(3)).view(fp8)
+    base = place(torch.randn(64, 96, generator=g))
+    s["views.base"] = base
+    s["views.row"] = base[7]
+    s["views.cols"] = base[:, 10:50]
+    s["views.flat"] = base.view(-1)[100:900]
+    big = place(torch.randn(48, 80, generator=g).to(torch.bfloat16))
+    s["non_contiguous.t"] = place(torch.randn(40, 72, generator=g)).t()
+    s["non_contiguous.step"] = place(torch.randn(1000, generator=g))[3::7]
+    s["non_contiguous.slab"] = big[::2, 5::3]
+    if mesh is not None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        local = place(torch.randn(257, 33, generator=g))
+        s["dtensor"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    return s
+
+
+def _local(t: Any) -> Any:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _bits(t: Any) -> Any:
+    """The tensor's bytes in logical order, on the CPU (uint8, 1-D)."""
+    import torch
+
+    return _local(t).detach().contiguous().view(-1).view(torch.uint8).cpu()
+
+
+def roundtrip(
+    ram_dir: Path,
+    place: Callable[[Any], Any],
+    *,
+    mesh: Any = None,
+    blocking: tuple[bool, ...] = (True, False),
+) -> dict[str, Any]:
+    """Save then restore a state of every kind (:func:`roundtrip_state`) through Strata's
+    :class:`~strata.client.Checkpointer` on ``ram_dir`` (a tmpfs directory, made and left for
+    the caller to remove), once per ``blocking`` mode, zeroing every storage before the
+    restore; returns ``{"kinds": {kind: bool}, "failures": [str], "ok": bool}``, a kind true
+    when every tensor of it came back bit-identical (and views still share their base's
+    storage). Raises what the Checkpointer raises (``raise_on_error=True``)."""
+    import torch
+
+    from strata.client import Checkpointer
+
+    state = roundtrip_state(place, mesh)
+    want = {k: _bits(v).clone() for k, v in state.items()}
+    failures: list[str] = []
+    with Checkpointer(
+        job_id=JOB + ".roundtrip",
+        ram_dir=ram_dir,
+        rank=0,
+        world_size=1,
+        raise_on_error=True,
+        allow_fresh_start=True,
+    ) as ck:
+        for step, blk in enumerate(blocking, start=1):
+            ck.save(step, state, blocking=blk)
+            if not blk and ck.wait_copied() is not True:
+                failures.append(f"overlapped save {step}: {ck.last_error}")
+            ck.wait()
+            for v in state.values():
+                _local(v).untyped_storage().fill_(0)
+            res = ck.restore(state)
+            if res.step != step:
+                failures.append(f"restored step {res.step}, expected {step}")
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            mode = "blocking" if blk else "overlapped"
+            for k, v in state.items():
+                if not torch.equal(_bits(v), want[k]):
+                    failures.append(f"{k} ({mode}): bits differ after restore")
+            base = state["views.base"].untyped_storage().data_ptr()
+            for k in ("views.row", "views.cols", "views.flat"):
+                if state[k].untyped_storage().data_ptr() != base:
+                    failures.append(f"{k} ({mode}): no longer shares the base's storage")
+    present = [k for k in KINDS if any(n.split(".")[0] == k for n in state)]
+    kinds = {k: not any(f.split(" ")[0].split(".")[0] == k for f in failures) for k in present}
+    return {"kinds": kinds, "failures": failures, "ok": not failures}
+
+
+def run_roundtrip(
+    work: Path, device: str, place: Callable[[Any], Any] | None = None
+) -> dict[str, Any]:
+    """:func:`roundtrip` on ``device`` ("cpu" or "cuda:N"), a DTensor on a 1-rank mesh
+    included (nccl on CUDA, gloo on the CPU); ``work``: a tmpfs directory for the RAM tier and
+    the process group's file store. ``place``: how a CPU tensor reaches the device (default
+    ``t.to(device)``; a stand-in device's ``tensor`` in tests)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    made = _init_world_of_one(work, "nccl" if dev.type == "cuda" else "gloo")
+    try:
+        mesh = init_device_mesh(dev.type, (1,))
+        return roundtrip(work / "ram-roundtrip", place or (lambda t: t.to(dev)), mesh=mesh)
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
 def _dcp_cases(state: dict[str, Any], work: Path) -> list[Case]:
     from bench import baselines
 
@@ -353,15 +503,32 @@ def _machine(dev: Any) -> dict[str, Any]:
     }
 
 
+def _cpu_smoke(shm_dir: Path) -> int:
+    """The round trip on CPU tensors: proves the imports and the Checkpointer work here."""
+    import torch
+
+    work = shm_dir / f"strata-gpu-smoke-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        rt = run_roundtrip(work, "cpu")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"cpu_smoke": rt, "torch": torch.__version__}, indent=1), flush=True)
+    return 0 if rt["ok"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
+    if args.cpu_smoke:
+        return _cpu_smoke(args.shm_dir)
     if not torch.cuda.is_available():
         print(NO_GPU, file=sys.stderr)
         return 3 if args.require_gpu else 0
-    run(args)
-    return 0
+    out = run(args)
+    return 0 if out["roundtrip"]["ok"] else 1
 
 
 if __name__ == "__main__":
