@@ -35,7 +35,7 @@ export PYTHONUNBUFFERED=1
 "$PY" -c 'import strata.client, bench.gpu, google_crc32c, torch; print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'
 case $mode in
   dry) echo "would run: $PY -m bench.gpu --require-gpu $*"; exit 0 ;;
-  smoke) exec "$PY" -m bench.gpu --cpu-smoke "$@" ;;
+  smoke) rc=0; "$PY" -m bench.gpu --cpu-smoke "$@" || rc=$?; exit "$rc" ;;  # not exec: the trap cleans up
 esac
 log=bench/results/gpu-latest.log
 mkdir -p bench/results
