@@ -5,6 +5,11 @@
 copies and again when they complete (:func:`check_unchanged`); a tensor changed in between
 makes that step not committed. :class:`OptimizerHooks` makes every ``torch.optim.Optimizer``
 of a state wait for the copy before its step.
+
+Both hold for compiled training steps: a ``torch.compile``d ``optimizer.step`` still runs the
+pre-hook, and in-place updates from AOTAutograd and Inductor graphs (CPU code generation) move
+the counters (``tests/integration/test_compiled_state.py``). CUDA graph replays
+(``mode="reduce-overhead"``) bypass the dispatcher and have not been run against this.
 """
 
 from __future__ import annotations
