@@ -33,7 +33,7 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _trainer() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+def _trainer() -> tuple[torch.nn.Sequential, torch.optim.Optimizer, dict[str, Any]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
