@@ -227,3 +227,16 @@ def test_an_overlapped_save_into_an_unregistered_slot_says_it_blocks(
     dev.close()
     lines = [r.getMessage() for r in caplog.records]
     assert any("into a RAM slot that is not registered" in m for m in lines), lines
+
+
+def test_close_runs_held_work_and_joins_every_stream_worker() -> None:
+    """A worker left inside a torch op when the interpreter finalizes aborts the process
+    ("terminate called without an active exception"): close() must leave none running."""
+    dev = StandInDevice(devices=1, hold=True)
+    dst, src = dev.tensor(torch.zeros(1 << 12)), torch.arange(1 << 12, dtype=torch.float32)
+    s = dev.stream(0)
+    dev.copy(dst, src, s)  # held: nothing waits for it
+    dev.current_stream(0).enqueue(lambda: None)  # type: ignore[attr-defined]
+    dev.close()
+    assert torch.equal(dst, src)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("standin-stream-")]

@@ -332,8 +332,17 @@ class _StandInStream:
     def synchronize(self) -> None:
         self.wait_for(self.tail)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Release held work, let the worker run what was queued, and join it (``timeout``
+        seconds). A daemon worker still inside a torch op when the interpreter finalizes dies in
+        ``pthread_exit`` while re-taking the GIL, and that unwinds through C++ code as
+        ``terminate called without an active exception`` (SIGABRT at exit)."""
+        with self._cond:
+            self._released = self._enqueued
+            self._cond.notify_all()
         self._q.put(None)
+        if self._worker is not threading.current_thread():
+            self._worker.join(timeout)
 
 
 class _StandInEvent:
@@ -528,7 +537,8 @@ class StandInDevice:
         return out if index is None else self.tensor(out, index)
 
     def close(self) -> None:
-        """Stop the stream workers (after the work queued so far)."""
+        """Stop the stream workers after the work queued so far (held work is released) and
+        join them."""
         with self._lock:
             streams = self._streams + self._current
             self._streams = []
