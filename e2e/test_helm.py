@@ -290,6 +290,36 @@ def test_every_object_is_labelled_and_the_operator_pod_is_restricted(offline_hel
             assert crd["spec"] == generated["spec"], "the chart's CRD is not the generated one"
 
 
+IDENTITY = """
+import getpass, os, pwd
+from kopf._core.engines.peering import detect_own_id
+os.setgid(65532); os.setuid(65532)  # after the imports: the interpreter's files are root's
+print(detect_own_id(manual=False))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as the image's uid 65532")
+def test_the_operator_pod_gives_kopf_its_identity(offline_helm: Helm) -> None:
+    """The image runs as uid 65532, which has no passwd entry: kopf's identity then comes from
+    POD_ID (the chart sets it to the pod's name), or kopf stops at start with KeyError."""
+    (deploy,) = [o for o in offline_helm.template("strata-system", []) if o["kind"] == "Deployment"]
+    env = {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    bare = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}
+    without = subprocess.run(
+        [sys.executable, "-c", IDENTITY], env=bare, capture_output=True, text=True, timeout=60
+    )
+    assert without.returncode != 0 and "KeyError" in without.stderr, without
+    with_id = subprocess.run(
+        [sys.executable, "-c", IDENTITY],
+        env={**bare, "POD_ID": "strata-operator-0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert with_id.returncode == 0 and with_id.stdout.strip() == "strata-operator-0", with_id
+
+
 def test_rbac_has_explicit_verbs_and_nothing_on_secrets(offline_helm: Helm) -> None:
     for values in ([], ["certManager.enabled=true"]):
         objects = offline_helm.template("strata-system", values)
