@@ -14,15 +14,20 @@ tmpfs (/dev/shm)::
     torchrun --nproc-per-node 4 examples/train_fsdp.py --steps 50
     kill %1
 
-The second run restores the PVC's newest step at world size 4 (``restored`` shows the step and
-the world size) and trains on to step 49.
+The second run restores the newest step (35) at world size 4 by resharding it (``restored``
+shows the step and the world size) and trains on to step 49. It reads that step from the RAM
+directory, which holds every rank's shard of it (both runs are on one node); on new nodes it
+would read the PVC's newest step (30) instead.
 
 The model is sharded with ``fully_shard`` on a 1-D mesh (CUDA + NCCL when every rank has a GPU,
 else CPU + gloo). Each saved step holds, per rank, only its shards of the parameters and of
 Adam's moments (``get_state_dict``), plus its own RNG state. Restoring at the same world size is
 bit-identical to a run that was never interrupted (same data order, same RNG); at another world
 size the global tensors are the saved ones (the optimizer and model are resharded), and each
-rank's RNG comes from the saved rank of the same number (or ``rank % saved world size``).
+rank's RNG comes from the saved rank of the same number (or ``rank % saved world size``): the
+RNG state and Adam's ``step`` counters are plain tensors of one rank, so the Checkpointer is
+built with ``reshard_per_rank=True`` to accept that rule (without it a restore at another
+world size refuses, naming them; ``strata.restore.reshard``).
 
 Each step trains on a global batch of ``--batch`` samples drawn from a generator seeded with the
 step, split evenly over the ranks, so the data does not depend on the world size. ``--kill-at N``
@@ -112,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         settings["ram_dir"] = args.ram_dir.replace("{rank}", str(rank))
     if args.pvc_dir:
         settings["pvc_dir"] = args.pvc_dir
-    ckpt = strata.Checkpointer(allow_fresh_start=True, reshard=True, **settings)
+    # The RNG and Adam's step counters are per-rank plain tensors: take them by the documented
+    # rule when resharding (saved rank r, or r % saved world size), rather than refusing.
+    ckpt = strata.Checkpointer(allow_fresh_start=True, reshard_per_rank=True, **settings)
 
     def state() -> dict[str, object]:
         msd, osd = get_state_dict(model, opt)

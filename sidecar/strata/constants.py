@@ -21,7 +21,12 @@ ENV_TERMINATION_GRACE = "STRATA_TERMINATION_GRACE_SECONDS"
 """The pod's terminationGracePeriodSeconds (overrides ``termination_grace_seconds`` of
 ``STRATA_CONFIG``): the budget of the termination flush, for the trainer and the sidecar."""
 ENV_RESTORE_RESHARD = "STRATA_RESTORE_RESHARD"
-"""1/true: Checkpointer(reshard=True) (restore steps of another world size)."""
+"""0/false: Checkpointer(reshard=False) (never restore a step of another world size); 1/true:
+reshard=True (reshard, per-rank values by the documented rule; the opt-in of earlier versions).
+Unset: reshard when the saved state allows it (strata.restore.reshard)."""
+ENV_RESTORE_RESHARD_PER_RANK = "STRATA_RESTORE_RESHARD_PER_RANK"
+"""1/true: Checkpointer(reshard_per_rank=True) (a resharding restore takes per-rank values by
+the documented rule instead of refusing; strata.restore.reshard.PER_RANK_RULE)."""
 ENV_ALLOW_DISK_RAM_DIR = "STRATA_ALLOW_DISK_RAM_DIR"
 """1/true: accept the default RAM directory on a disk outside Kubernetes (a warning, not an
 error; strata.tiers.medium)."""

@@ -155,7 +155,8 @@ def test_a_step_of_another_world_size_is_noted_as_reshard_only_not_unsupported(
     assert len(inv.notes) == 2, inv.notes
     for note in inv.notes:
         assert "not supported" not in note
-        assert "reshard=True" in note
+        assert "only a resharding restore can load it" in note
+        assert "reshard=False" in note  # resharding is the default: the note names the opt-out
 
 
 class _RacedPosix(PosixTier):

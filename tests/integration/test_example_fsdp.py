@@ -105,7 +105,8 @@ def test_fsdp_recipe_as_written_reaches_the_pvc_and_reshards_from_it(
 ) -> None:
     """The docstring's recipe (sidecar + 2 ranks, then 4 ranks) with its own cadence, the
     directories moved under the test's: PVC steps exist after the first run and the second
-    restores the newest of them at world size 4."""
+    restores the newest step at world size 4, from the RAM directory both runs share (it holds
+    every rank's shard of that step: a reshard source, issue 29), newer than the PVC's."""
     from strata.config import StrataConfig
     from strata.tiers.posix import PosixTier
 
@@ -134,8 +135,12 @@ def test_fsdp_recipe_as_written_reaches_the_pvc_and_reshards_from_it(
     assert len(pvc.list_steps(config.job_id)) <= 2  # keep: 2
     wider = launch_with(4, env, *runs[1])
     got = one(wider, "restored")
-    assert got["step"] == newest and got["world"] == 4
-    assert got["digest"] == one(first, "saved", newest)["digest"]
+    # Before issue 29 this restored the PVC's newest step (the RAM tier was no reshard source).
+    newest_saved = max(e["step"] for e in first if e["event"] == "saved")
+    assert newest_saved >= newest
+    assert got["step"] == newest_saved and got["world"] == 4
+    assert got["digest"] == one(first, "saved", newest_saved)["digest"]
+    assert any("resharded from world size 2 to 4 (read from ram" in n for n in got["notes"])
     assert one(wider, "done")["step"] == 49
     assert sidecar.terminate() == 0
 

@@ -107,7 +107,9 @@ def test_every_rank_takes_the_same_restore_phases_in_the_same_order_when_one_ran
     assert any("quarantined" in n for n in r1["skipped"])
     # Rank 0 loaded step 10 and rank 1 did not, yet both took the same phases.
     assert r0["phases"] == r1["phases"]
+    # Resharding is on by default: every restore first gathers every rank's reshard sources.
     assert r0["phases"] == [
+        "reshard-candidate",
         "inventory",
         "stage",
         "load",

@@ -47,16 +47,24 @@ def global_tensors(s):
             "e": torch.arange(5 * 3, dtype=torch.int64).reshape(5, 3) + s,
             "ddp": torch.randn(33, generator=g)}
 
+GLOBAL = os.environ.get("STRATA_TEST_GLOBAL") == "1"  # no per-rank values at all
+
 def state_for(s, fill=None):
     gt = global_tensors(s)
     if fill is not None:
         gt = {k: torch.full_like(v, fill) for k, v in gt.items()}
     model = {k: distribute_tensor(gt[k], mesh, pl[k]) for k in pl}
+    if GLOBAL:
+        return {"model": model, "ddp": gt["ddp"], "step": s}
     return {"model": model, "ddp": gt["ddp"], "per_rank": torch.full((4,), float(rank)),
             "rng": torch.get_rng_state(), "step": s}
 
-kw = dict(job_id="ns.sharded", ram_dir=os.path.join(ram_root, f"node-{rank}"),
-          pvc_dir=pvc or None, allow_fresh_start=True, reshard=True)
+# STRATA_TEST_RESHARD: "true" (reshard=True, the old opt-in), "false", "" (the default policy)
+reshard = {"true": True, "false": False, "": None}[os.environ.get("STRATA_TEST_RESHARD", "true")]
+node = "node" if os.environ.get("STRATA_TEST_ONE_NODE") == "1" else f"node-{rank}"
+kw = dict(job_id="ns.sharded", ram_dir=os.path.join(ram_root, node),
+          pvc_dir=pvc or None, allow_fresh_start=os.environ.get("STRATA_TEST_NO_FRESH") != "1",
+          reshard=reshard)
 if gcs:
     os.environ["STRATA_GCS_BUCKET"] = gcs
 result = {"rank": rank}
@@ -72,17 +80,37 @@ with Checkpointer(**kw) as c:
         result["data_nbytes"] = m.data_nbytes
         result["owned"] = {e.path: e.tensor is not None for e in m.sharded}
     else:
+        from strata.errors import RestoreError
+        from strata.restore.reshard import ReshardRefused
+
         live = state_for(0, fill=0)
         live["ddp"].zero_()
-        res = c.restore(live)
-        gt = global_tensors(res.step)
-        result["step"] = res.step
-        result["skipped"] = res.skipped
-        result["tiers"] = {str(k): v for k, v in res.tiers.items()}
-        result["equal"] = {k: bool(torch.equal(live["model"][k].full_tensor(), gt[k])) for k in pl}
-        result["equal"]["ddp"] = bool(torch.equal(live["ddp"], gt["ddp"]))
-        result["per_rank"] = live["per_rank"].tolist()
-        result["placements"] = {k: repr(live["model"][k].placements) for k in pl}
+        try:
+            res = c.restore(live)
+        except RestoreError as exc:
+            result["error"] = str(exc)
+            result["refused"] = isinstance(exc, ReshardRefused)
+            result["blocking"] = getattr(exc, "blocking", None)
+            result["untouched"] = all(
+                not live["model"][k].full_tensor().any() for k in pl
+            ) and not live["ddp"].any()
+            res = None
+        if res is not None:
+            result["step"] = res.step
+            result["skipped"] = res.skipped
+            result["tiers"] = {str(k): v for k, v in res.tiers.items()}
+            result["resharded"] = res.resharded
+            result["saved_world_size"] = res.saved_world_size
+            result["per_rank_source"] = res.per_rank_source
+        if res is not None and res.step is not None:
+            gt = global_tensors(res.step)
+            result["equal"] = {
+                k: bool(torch.equal(live["model"][k].full_tensor(), gt[k])) for k in pl
+            }
+            result["equal"]["ddp"] = bool(torch.equal(live["ddp"], gt["ddp"]))
+            if not GLOBAL:
+                result["per_rank"] = live["per_rank"].tolist()
+            result["placements"] = {k: repr(live["model"][k].placements) for k in pl}
 if "STRATA_TEST_DIE" not in os.environ:
     dist.barrier()
     dist.destroy_process_group()
@@ -100,14 +128,18 @@ def run(
     pvc: Path | None = None,
     gcs_env: dict[str, str] | None = None,
     die: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the sharded worker as one gloo job of prod(spec) ranks; their results by rank."""
+    """Run the sharded worker as one gloo job of prod(spec) ranks; their results by rank.
+    ``env``: the worker's switches (``STRATA_TEST_RESHARD``, ``STRATA_TEST_GLOBAL``,
+    ``STRATA_TEST_ONE_NODE``, ``STRATA_TEST_NO_FRESH``) and Strata's own variables."""
     world = 1
     for x in spec.split("x"):
         world *= int(x)
     bucket = (gcs_env or {}).get("STRATA_GCS_BUCKET", "")
     args = [mode, str(ram_root), str(pvc or ""), bucket, str(out), spec, str(step)]
-    return run_script(WORKER, args, world, out, env=gcs_env, die=die, mode=mode)
+    both = {**(gcs_env or {}), **(env or {})}
+    return run_script(WORKER, args, world, out, env=both, die=die, mode=mode)
 
 
 def run_script(
@@ -135,15 +167,22 @@ def run_script(
     ]
 
 
-def promote(ram_root: Path, world: int, step: int, tier: Any, job: str = JOB) -> None:
-    """Copy every rank's RAM shard of ``step`` into ``tier`` (what the sidecar's promotion does)."""
+def promote(
+    ram_root: Path, world: int, step: int, tier: Any, job: str = JOB, one_node: bool = False
+) -> None:
+    """Copy every rank's RAM shard of ``step`` into ``tier`` and write the step's global commit
+    record there (what the sidecar's promotion does). ``one_node``: every rank's shard is in
+    ``ram_root/node`` (several ranks of one pod), else in ``ram_root/node-<rank>``."""
     from strata.tiers.ram import RamTier
+    from strata.tiers.records import commit_if_complete
     from strata.tiers.slots import SlotLease
 
     for r in range(world):
-        with SlotLease(RamTier(ram_root / f"node-{r}"), job, step, r) as lease:
+        node = ram_root / ("node" if one_node else f"node-{r}")
+        with SlotLease(RamTier(node), job, step, r) as lease:
             assert lease.manifest is not None and lease.manifest.verified
             tier.put_shard(job, step, r, lease.path, lease.manifest)
+    assert commit_if_complete(tier, job, step, "test-promotion") is not None
 
 
 def _ram_shard(ram_root: Path, rank: int, step: int) -> tuple[Path, Any]:

@@ -28,8 +28,12 @@ from strata import constants
 from strata.config import StrataConfig
 
 _NOT_IN_MODEL = {
-    constants.ENV_RESTORE_RESHARD: "read by the training client: 1 lets restore() reshard a step "
-    "written at another world size",
+    constants.ENV_RESTORE_RESHARD: "read by the training client: 0 stops restore() from "
+    "resharding a step written at another world size (the default reshards when the state "
+    "allows it); 1 reshards and takes per-rank values by the documented rule",
+    constants.ENV_RESTORE_RESHARD_PER_RANK: "read by the training client: 1 lets a resharding "
+    "restore take per-rank values (RNG, dataloader state) by the documented rule instead of "
+    "refusing",
     constants.ENV_ALLOW_DISK_RAM_DIR: "1 accepts the default RAM directory on a disk outside "
     "Kubernetes (a warning instead of the refusal)",
 }

@@ -63,9 +63,9 @@ from strata.client.saver import Saver
 from strata.client.stager import LocalStager, Stager
 from strata.client.termination import Termination
 from strata.config import StrataConfig
-from strata.constants import ENV_RESTORE_RESHARD
 from strata.errors import ConfigError
 from strata.protocol import ClientEvent
+from strata.restore.reshard import ReshardPolicy
 from strata.tiers.base import Tier
 from strata.tiers.medium import check_ram_medium
 from strata.tiers.ram import RamTier
@@ -93,10 +93,16 @@ class Checkpointer:
     state holds CUDA tensors (None: only the driver's limits; :mod:`strata.client.cuda_host`).
     ``component_every``: top-level keys of a dict state saved at their own cadence (e.g.
     ``{"ema": 100}``; :mod:`strata.client.cadence`; default ``config.component_every``).
-    ``reshard``: let :meth:`restore` load a step written at another world size when it is the
-    newest step complete in a shared tier (sharded tensors resharded; docs/architecture.md
-    "Sharded state"). Default False (also env ``STRATA_RESTORE_RESHARD=1``): such a step is
-    skipped and noted, as before.
+    ``reshard`` / ``reshard_per_rank``: whether :meth:`restore` loads a step written at another
+    world size when it is the newest restorable step (:mod:`strata.restore.reshard`;
+    docs/architecture.md "Sharded state"). Default (None, None; env
+    ``STRATA_RESTORE_RESHARD`` / ``STRATA_RESTORE_RESHARD_PER_RANK`` unset): reshard when every
+    tensor of the step is a DTensor or declared replicated and no value belongs to one rank,
+    else raise :class:`strata.restore.reshard.ReshardRefused` naming the per-rank values.
+    ``reshard_per_rank=True``: take those values by
+    :data:`strata.restore.reshard.PER_RANK_RULE` instead. ``reshard=True`` (the opt-in of
+    earlier versions): the same as ``reshard_per_rank=True``. ``reshard=False``: never reshard
+    (such a step is skipped and noted); with ``reshard_per_rank=True`` a ConfigError.
     Raises :class:`strata.config.ConfigError` for a bad configuration.
 
     One Checkpointer per training process; call ``save``/``restore`` from one thread (the
@@ -123,6 +129,7 @@ class Checkpointer:
         process_group: Any = None,
         reshard: bool | None = None,
         register_limit_bytes: int | None = None,
+        reshard_per_rank: bool | None = None,
     ) -> None:
         self.config = _build_config(
             config, job_id, ram_dir, pvc_dir, keep, every_steps, allow_fresh_start
@@ -179,9 +186,8 @@ class Checkpointer:
             self._restore_tiers, self.ram, self.slot_provider, self.config.restore.verify
         )
         self.process_group = process_group
-        if reshard is None:
-            reshard = os.environ.get(ENV_RESTORE_RESHARD, "") in ("1", "true", "True")
-        self.reshard = reshard
+        self.reshard = ReshardPolicy.from_options(reshard, reshard_per_rank)
+        """When :meth:`restore` reshards (:class:`strata.restore.reshard.ReshardPolicy`)."""
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="strata-checksum")
         self.saver = Saver(
             self.ram,

@@ -8,11 +8,15 @@ decides alike from the gathered outcomes (as torch DCP's ``state_dict_loader`` g
 rank's exception in its named ``plan`` / ``read`` phases). The order
 (:class:`strata.client.restorer.Restorer` makes the calls)::
 
-    reshard-candidate            once, when resharding is allowed: rank 0's candidate for all
+    reshard-candidate            once, unless resharding is off: every rank's reshard sources
+                                 (steps of other world sizes it can read), so that every rank
+                                 picks the same step (strata.restore.reshard.pick_reshard)
     per planning round (at most 64):
       inventory                  every rank's inventory, and rank 0's incarnation proposal
       -- the plan (pure, from the gathered inventories: the same on every rank) --
-      reshard                    when the plan resharding: every rank read its slices, or why not
+      reshard-check              when resharding: the per-rank values without a rule (every
+                                 rank raises ReshardRefused alike before loading anything)
+      reshard                    when resharding: every rank read its slices, or why not
       stage                      the tier that staged each rank's shard (None: it failed)
       load                       each rank's load failure (None: loaded) -> re-plan, raise, or on
       replicas                   sharded tensors: replicas from their owners (point to point)
@@ -41,7 +45,15 @@ from strata.restore import RankInventory
 log = logging.getLogger("strata.client")
 
 Phase = Literal[
-    "reshard-candidate", "inventory", "reshard", "stage", "load", "replicas", "sharded", "dcp-step"
+    "reshard-candidate",
+    "inventory",
+    "reshard-check",
+    "reshard",
+    "stage",
+    "load",
+    "replicas",
+    "sharded",
+    "dcp-step",
 ]
 
 
@@ -67,9 +79,21 @@ class RestoreCollectives:
 
     # -- the phases, in protocol order ------------------------------------------------------------
 
-    def agree_reshard_candidate(self, mine: tuple[int, int] | None) -> tuple[int, int] | None:
-        """``reshard-candidate``: every rank takes rank 0's ``(step, saved world size)``."""
-        return self._all_gather("reshard-candidate", mine)[0]  # type: ignore[no-any-return]
+    def exchange_reshard_sources(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """``reshard-candidate``: every rank's reshard sources
+        (:func:`strata.restore.reshard.reshard_sources`), by rank; every rank then picks the
+        same step with :func:`strata.restore.reshard.pick_reshard`."""
+        return self._all_gather("reshard-candidate", mine)
+
+    def settle_reshard_check(
+        self, blocking: list[str], error: str | None
+    ) -> tuple[list[str], list[str]]:
+        """``reshard-check``, before anything is loaded: (the per-rank values without a rule
+        that any rank found, sorted; the ranks' failures to read the step's manifests). The
+        same on every rank, so every rank refuses, falls back or loads alike."""
+        found = self._all_gather("reshard-check", {"blocking": blocking, "error": error})
+        values = sorted({p for f in found for p in f["blocking"]})
+        return values, [f["error"] for f in found if f["error"] is not None]
 
     def exchange_inventories(
         self, inventory: RankInventory, proposal: dict[str, str]

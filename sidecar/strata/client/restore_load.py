@@ -10,7 +10,8 @@ carries the outcome into the next phase.
 - :class:`RankLoader`: :meth:`~RankLoader.load_staged` (the staged RAM shard, in place, one
   pass: verified while copying when the stager left a RAM hit unverified),
   :meth:`~RankLoader.fill_pending` (sharded slices from the tiers),
-  :meth:`~RankLoader.read_resharded` (a step of another world size).
+  :meth:`~RankLoader.check_resharded` and :meth:`~RankLoader.read_resharded` (a step of
+  another world size: its per-rank values first, then the load).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from strata.client.loader import load_shard
 from strata.client.sharded import ShardedLoad, ShardReader
 from strata.config import StrataConfig
 from strata.format import codec
+from strata.restore.reshard import PerRankValues, per_rank_values
 from strata.tiers.base import Tier
 from strata.tiers.configured import durable_tiers, in_restore_order
 from strata.tiers.ram import RamTier
@@ -108,6 +110,28 @@ class ReshardRead:
     nbytes: int
     error: str | None
     """Why this rank could not load it (None: loaded)."""
+    tiers: list[str]
+    """The tiers that served the step's manifests to this rank, nearest first."""
+
+
+@dataclass
+class ReshardCheck:
+    """The manifests of a step of another world size, read before loading
+    (:meth:`RankLoader.check_resharded`)."""
+
+    reader: ShardReader
+    source_rank: int
+    """The saved rank whose per-rank values this rank takes (the documented rule)."""
+    saved_world: int
+    values: PerRankValues
+    """The step's per-rank values (empty when ``error``)."""
+    error: str | None
+    """Why this rank could not read the manifests (None: read)."""
+
+    def close(self, notes: list[str]) -> None:
+        """Close the reader, adding its notes to ``notes`` (each once)."""
+        notes.extend(n for n in self.reader.notes if n not in notes)
+        self.reader.close()
 
 
 class RankLoader:
@@ -193,19 +217,35 @@ class RankLoader:
             notes.extend(reader.notes)
             reader.close()
 
-    def read_resharded(
-        self, state: Any, step: int, saved_world: int, notes: list[str]
-    ) -> ReshardRead:
-        """Load ``step``, written by ``saved_world`` ranks, into ``state`` at this world size.
+    def check_resharded(
+        self, step: int, saved_world: int, tiers: Sequence[Tier], incarnation: str
+    ) -> ReshardCheck:
+        """Read the manifests of every saved rank of ``step`` (written by ``saved_world`` ranks
+        of ``incarnation``) from ``tiers`` (this rank's reshard sources, nearest first) and find
+        the per-rank values (:func:`strata.restore.reshard.per_rank_values`). Nothing is loaded
+        into the live state. Never raises: a failure is the check's ``error``."""
+        reader = ShardReader(tiers, self.job_id, step, incarnation)
+        src = self.rank if self.rank < saved_world else self.rank % saved_world
+        try:
+            manifests = [reader.manifest(r) for r in range(saved_world)]
+        except Exception as exc:  # every rank learns of it in the reshard-check phase
+            return ReshardCheck(
+                reader, src, saved_world, PerRankValues(), f"rank {self.rank}: {exc}"
+            )
+        return ReshardCheck(reader, src, saved_world, per_rank_values(manifests), None)
+
+    def read_resharded(self, state: Any, check: ReshardCheck, notes: list[str]) -> ReshardRead:
+        """Load the step of ``check`` (:meth:`check_resharded`) into ``state`` at this world size.
 
         Rank r loads its per-rank values (non-sharded tensors, RNG, dataloader state) from saved
-        rank r when that rank existed, else from saved rank ``r % saved_world``; every sharded
-        tensor gets the slice this rank holds now from the saved owners' shards. Never raises:
+        rank r when that rank existed, else from saved rank ``r % saved_world``
+        (:data:`strata.restore.reshard.PER_RANK_RULE`); every sharded tensor gets the slice this
+        rank holds now from the saved owners' shards. Closes the check's reader. Never raises:
         a failure is the result's ``error``.
         """
-        src = self.rank if self.rank < saved_world else self.rank % saved_world
-        reader = ShardReader(self.tiers(), self.job_id, step)
-        load = ShardedLoad(self.rank, self.world_size, saved_world)
+        reader, src = check.reader, check.source_rank
+        step = reader.step
+        load = ShardedLoad(self.rank, self.world_size, check.saved_world)
         err = None
         tree: Any = None
         parent = ""
@@ -220,6 +260,5 @@ class RankLoader:
         except Exception as exc:  # any failure (a device copy, NCCL): every rank learns of it
             err = f"rank {self.rank}: {exc}"
         finally:
-            notes.extend(n for n in reader.notes if n not in notes)
-            reader.close()
-        return ReshardRead(tree, src, parent, reader.nbytes_read, err)
+            check.close(notes)
+        return ReshardRead(tree, src, parent, reader.nbytes_read, err, list(reader.served))

@@ -28,13 +28,20 @@ from strata.client import steps as _steps
 from strata.client.collectives import RestoreCollectives
 from strata.client.restore_load import RankLoader, RestoreTiers
 from strata.client.restore_notes import RestoreNotes, searched
-from strata.client.sharded import reshard_candidate
 from strata.client.stager import Stager
 from strata.config import StrataConfig
 from strata.errors import RestoreError, ShardCorrupt, StageError
 from strata.format.incarnation import Incarnation, new_incarnation_id
 from strata.protocol import ClientEvent, RestoreEvent
 from strata.restore import RestorePlan, StageResult, plan_restore, skipped_partial_steps
+from strata.restore.reshard import (
+    PerRankValues,
+    ReshardChoice,
+    ReshardPolicy,
+    pick_reshard,
+    refusal,
+    reshard_sources,
+)
 from strata.tiers.base import Tier
 from strata.tiers.ram import RamTier
 from strata.tiers.records import write_incarnation
@@ -64,6 +71,15 @@ class RestoreResult:
     component_steps: dict[str, int] = field(default_factory=dict)
     """Components saved at their own cadence: the step each one's bytes come from
     (``component_every``); empty: every component is from ``step``."""
+    resharded: bool = False
+    """The step was written at another world size and resharded to this one
+    (:mod:`strata.restore.reshard`); ``tiers`` then names ``"reshard"`` for this rank and the
+    notes name the tiers read."""
+    saved_world_size: int | None = None
+    """The world size that wrote ``step`` (None: fresh start)."""
+    per_rank_source: int | None = None
+    """Resharded: the saved rank whose per-rank values (plain tensors, RNG, dataloader state)
+    this rank took by :data:`strata.restore.reshard.PER_RANK_RULE` (None: not resharded)."""
 
     @property
     def fresh_start(self) -> bool:
@@ -96,8 +112,9 @@ class Restored:
 class Restorer:
     """The restore of rank ``rank`` of ``world_size`` (see the module docstring).
 
-    ``reshard``: a step written at another world size may be restored when it is the newest
-    complete in a shared tier. Raises nothing at construction.
+    ``reshard``: when a step written at another world size is restored (by resharding) from
+    any tier that holds every shard of it (:mod:`strata.restore.reshard`). Raises nothing at
+    construction.
     """
 
     def __init__(
@@ -111,7 +128,7 @@ class Restorer:
         *,
         rank: int,
         world_size: int,
-        reshard: bool,
+        reshard: ReshardPolicy,
         report: Callable[[ClientEvent], None],
         on_incarnation: Callable[[str], None],
     ) -> None:
@@ -146,10 +163,7 @@ class Restorer:
                 "cannot be seen, so only the PVC and GCS can serve a complete step; call "
                 "torch.distributed.init_process_group() before restore()"
             )
-        cand = None
-        if self.reshard:
-            mine = reshard_candidate(self.tiers.get(), self.job_id, self.world_size)
-            cand = _steps.pin_candidate(self.phases.agree_reshard_candidate(mine), step)
+        cand = self._reshard_choice(step, notes)
         for _ in range(MAX_ROUNDS):
             inv = self.stager.inventory(self.job_id, self.rank, self.world_size)
             invs, proposed = self.phases.exchange_inventories(inv, proposal)
@@ -162,8 +176,8 @@ class Restorer:
                 invs, self.world_size, self.config.tiers_in_restore_order(), excluded
             )
             # Every branch below depends only on gathered values: every rank takes it alike.
-            if cand is not None and (plan is None or cand[0] > plan.step):
-                resharded = self._reshard(state, cand[0], cand[1], notes, started, chosen)
+            if cand is not None and (plan is None or cand.step > plan.step):
+                resharded = self._reshard(state, cand, notes, started, chosen)
                 if resharded is not None:
                     return Restored(resharded, "none")
                 cand = None
@@ -221,6 +235,7 @@ class Restorer:
                 skipped=notes.items,
                 state=loaded.tree,
                 component_steps=dict(loaded.component_steps),
+                saved_world_size=self.world_size,
             )
             if loaded.component_steps:
                 log.warning(
@@ -305,38 +320,79 @@ class Restorer:
             "CheckpointPolicy (or allow_fresh_start=True) to start from scratch"
         )
 
+    def _reshard_choice(self, step: int | None, notes: RestoreNotes) -> ReshardChoice | None:
+        """The ``reshard-candidate`` phase (unless resharding is off): every rank's reshard
+        sources, and the step every rank would reshard (:func:`pick_reshard`; ``step``: only
+        that one). Never raises: a rank that cannot list its tiers offers no source."""
+        if not self.reshard.enabled:
+            return None
+        try:
+            mine = reshard_sources(self.tiers.get(), self.job_id, self.rank, self.world_size)
+        except Exception as exc:  # stay in lockstep: this rank offers no source
+            notes.warn(f"reshard sources not listed: {exc!r}")
+            mine = {"rank": self.rank, "sources": [], "records": []}
+        gathered = self.phases.exchange_reshard_sources(mine)
+        return pick_reshard(gathered, self.world_size, self.config.tiers_in_restore_order(), step)
+
     def _reshard(
         self,
         state: Any,
-        step: int,
-        saved_world: int,
+        choice: ReshardChoice,
         notes: RestoreNotes,
         started: float,
         chosen: dict[str, str],
     ) -> RestoreResult | None:
-        """Restore ``step``, written by ``saved_world`` ranks, at this world size (the
-        ``reshard`` phase; :meth:`RankLoader.read_resharded`). None (noted) when some rank
-        could not load it."""
-        read = self.loader.read_resharded(state, step, saved_world, notes.items)
+        """Restore ``choice.step``, written by ``choice.saved_world_size`` ranks, at this world
+        size from this rank's sources (the ``reshard-check`` and ``reshard`` phases;
+        :meth:`RankLoader.check_resharded`, :meth:`RankLoader.read_resharded`). None (noted)
+        when some rank could not read or load it. Raises :class:`ReshardRefused` (every rank,
+        before the live state is touched) when the step holds per-rank values and the policy
+        does not accept :data:`PER_RANK_RULE` for them."""
+        step, saved_world = choice.step, choice.saved_world_size
+        names = choice.sources.get(self.rank, ())
+        tiers = [t for t in self.tiers.get() if t.name in names]
+        check = self.loader.check_resharded(step, saved_world, tiers, choice.incarnation)
+        blocking, errors = self.phases.settle_reshard_check(check.values.blocking, check.error)
+        if errors:
+            check.close(notes.items)
+            notes.warn(
+                f"step {step} (world size {saved_world}) could not be resharded: {errors[0]}"
+            )
+            return None
+        if blocking and not self.reshard.per_rank:
+            check.close(notes.items)
+            values = check.values if check.values.blocking else PerRankValues(differing=blocking)
+            refused = refusal(step, saved_world, self.world_size, values)
+            notes.warn(str(refused))
+            failed = RestoreResult(None, {}, 0, time.perf_counter() - started, notes.items)
+            self._report_restore(failed, "failed", notes)
+            raise refused
+        read = self.loader.read_resharded(state, check, notes.items)
         errors = self.phases.settle_reshard(read.error)
         if errors:
             notes.warn(
                 f"step {step} (world size {saved_world}) could not be resharded: {errors[0]}"
             )
             return None
-        if read.source_rank != self.rank:
-            notes.add(
-                f"rank {self.rank} did not exist in step {step} (world size {saved_world}): its "
-                f"per-rank values (non-sharded tensors, RNG, dataloader state) are rank "
-                f"{read.source_rank}'s"
+        if blocking:
+            which = ", ".join(blocking[:8]) + (
+                f" and {len(blocking) - 8} more" if len(blocking) > 8 else ""
             )
-        if saved_world > self.world_size:
-            notes.add(
-                f"the per-rank values (non-sharded tensors, RNG, dataloader state) of saved ranks "
-                f"{self.world_size}-{saved_world - 1} of step {step} are not restored: no rank "
-                "of this world size takes them"
-            )
-        notes.add(f"step {step} resharded from world size {saved_world} to {self.world_size}")
+            if read.source_rank != self.rank:
+                notes.add(
+                    f"rank {self.rank} did not exist in step {step} (world size {saved_world}): "
+                    f"its per-rank values ({which}) are rank {read.source_rank}'s"
+                )
+            if saved_world > self.world_size:
+                notes.add(
+                    f"the per-rank values ({which}) of saved ranks {self.world_size}-"
+                    f"{saved_world - 1} of step {step} are not restored: no rank of this world "
+                    "size takes them"
+                )
+        notes.add(
+            f"step {step} resharded from world size {saved_world} to {self.world_size} (read "
+            f"from {', '.join(read.tiers) or 'no tier'})"
+        )
         self._open_incarnation(chosen, read.parent or None, step, notes)
         result = RestoreResult(
             step=step,
@@ -345,14 +401,18 @@ class Restorer:
             seconds=time.perf_counter() - started,
             skipped=notes.items,
             state=read.tree,
+            resharded=True,
+            saved_world_size=saved_world,
+            per_rank_source=read.source_rank,
         )
         log.warning(
             "strata: restored step %d of job %s rank %d by resharding from world size %d "
-            "(%d bytes read, %.3f s)",
+            "(from %s; %d bytes read, %.3f s)",
             step,
             self.job_id,
             self.rank,
             saved_world,
+            ", ".join(read.tiers),
             read.nbytes,
             result.seconds,
         )

@@ -176,11 +176,17 @@ class ShardReader:
     Archive-only copies are never read. A copy that fails is noted and the next tier is tried.
     """
 
-    def __init__(self, tiers: Sequence[Tier], job_id: str, step: int) -> None:
+    def __init__(
+        self, tiers: Sequence[Tier], job_id: str, step: int, incarnation: str | None = None
+    ) -> None:
         self.tiers = list(tiers)
         self.job_id = job_id
         self.step = step
+        self.incarnation = incarnation
+        """Only shards of this incarnation are read (None: any)."""
         self.notes: list[str] = []
+        self.served: list[str] = []
+        """The tiers that served manifests, in the order first used."""
         self._manifests: dict[int, tuple[Manifest, Tier]] = {}
         self._fetched: dict[int, Path] = {}
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -202,7 +208,12 @@ class ShardReader:
                 if m.components is not None:
                     why.append(f"{tier.name}: an archive-only copy (never restored)")
                     continue
+                if self.incarnation is not None and m.incarnation != self.incarnation:
+                    why.append(f"{tier.name}: a copy of incarnation {m.incarnation!r}")
+                    continue
                 self._manifests[rank] = (m, tier)
+                if tier.name not in self.served:
+                    self.served.append(tier.name)
                 break
             else:
                 raise RestoreError(
@@ -291,28 +302,6 @@ class ShardReader:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-
-def reshard_candidate(
-    tiers: Sequence[Tier], job_id: str, world_size: int
-) -> tuple[int, int] | None:
-    """(step, its world size): the newest step complete in a shared tier (PVC, GCS) that was
-    written with another world size than ``world_size``; None when there is none. A node's
-    RAM tier is left out: it holds only its own ranks' shards."""
-    best: tuple[int, int] | None = None
-    for tier in tiers:
-        if tier.name == "ram":
-            continue
-        try:
-            listing = tier.list_steps(job_id)
-        except (TierError, OSError):
-            continue
-        for step, entry in listing.items():
-            w = entry.world_size
-            newer = best is None or step > best[0]
-            if entry.complete and w is not None and w != world_size and newer:
-                best = (step, w)
-    return best
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -94,13 +94,6 @@ def pin_step(inventories: list[RankInventory], step: int | None) -> list[RankInv
     ]
 
 
-def pin_candidate(candidate: tuple[int, int] | None, step: int | None) -> tuple[int, int] | None:
-    """A resharding candidate ``(step, saved world size)`` kept only when it is ``step``."""
-    if candidate is None or step is None or candidate[0] == step:
-        return candidate
-    return None
-
-
 def not_restorable(
     job_id: str, step: int, world_size: int, searched: str, notes: list[str]
 ) -> RestoreError:

@@ -15,7 +15,8 @@ from strata.tiers.base import StepListing, Tier
 from strata.tiers.records import committed_steps, read_incarnations, read_manifest_raw
 
 RESHARD_ONLY = (
-    "only a resharding restore can load it (Checkpointer(reshard=True) or STRATA_RESTORE_RESHARD=1)"
+    "only a resharding restore can load it (the client's default when the state allows it; "
+    "never with Checkpointer(reshard=False) or STRATA_RESTORE_RESHARD=0)"
 )
 """Said of a step written at another world size than the restoring job's."""
 
