@@ -106,11 +106,15 @@ def rank_main(mode: str, root: Path, mb: int, rounds: int) -> dict[str, Any]:
             PosixTier(pvc).put_shard(JOB, rounds, rank, lease.path, lease.manifest)
         ckpt.close()
         dist.barrier()
+        if rank == 0:  # the step's global commit record, written last (the sidecar's committer)
+            from strata.tiers.records import commit_if_complete
+
+            assert commit_if_complete(PosixTier(pvc), JOB, rounds, "bench") is not None
         dcp.save({"model": state}, checkpoint_id=str(root / "dcp"))
     else:
         ckpt = strata.Checkpointer(
-            job_id=JOB, ram_dir=ram, pvc_dir=pvc, allow_fresh_start=True, reshard=True
-        )
+            job_id=JOB, ram_dir=ram, pvc_dir=pvc, allow_fresh_start=True
+        )  # resharding is the default: the state is DTensors only
         dist.barrier()
         t0 = time.perf_counter()
         res = ckpt.restore({"model": state})

@@ -29,7 +29,9 @@ Programming errors raise at once: a negative or non-int step (ValueError). Pass
 initialized -> the newest step restorable on every rank (:func:`strata.restore.plan_restore`)
 -> stage this rank's shard into RAM (RAM hit, else PVC, else GCS; verified; a corrupt copy is
 quarantined) -> load it in place (:func:`strata.format.codec.load_into`). A step some rank fails to
-stage is excluded and the ranks re-plan together. No restorable step: a fresh start (step None)
+stage is excluded and the ranks re-plan together. A newer step written at another world size is
+resharded by default when its state allows it, from any tier holding every shard of it
+(:mod:`strata.restore.reshard`). No restorable step: a fresh start (step None)
 when ``restore.allow_fresh_start``, else :class:`RestoreError` naming the tiers searched.
 
 Seams for the sidecar (socket-backed implementations): ``slot_provider=`` (a
