@@ -130,7 +130,7 @@ def inc(id_: str, parent: str | None, base: int | None, world: int) -> dict[str,
         parent=parent,
         base_step=base,
         world_size=world,
-        created=f"2026-12-0{id_[-1]}T00:00:00+00:00",  # type: ignore[arg-type]
+        created=f"2026-12-0{id_[-1]}T00:00:00+00:00",
     ).model_dump(mode="json")
 
 
@@ -154,13 +154,14 @@ def test_a_shared_tier_serves_every_rank_and_the_newest_step_wins() -> None:
 
 def test_a_ram_source_serves_only_the_ranks_that_reported_it() -> None:
     # rank 0's node holds every shard of step 30 in RAM; rank 1's node does not
-    g = [
+    rank1 = [src(20, "pvc")]
+    g: list[dict[str, Any]] = [
         {"rank": 0, "sources": [src(30, "ram"), src(20, "pvc")], "records": []},
-        {"rank": 1, "sources": [src(20, "pvc")], "records": []},
+        {"rank": 1, "sources": rank1, "records": []},
     ]
     c = pick_reshard(g, 2, ORDER)
     assert c is not None and c.step == 20 and c.sources == {0: ("pvc",), 1: ("pvc",)}
-    g[1]["sources"].append(src(30, "ram"))  # both ranks on the node that holds it
+    rank1.append(src(30, "ram"))  # both ranks on the node that holds it
     c = pick_reshard(g, 2, ORDER)
     assert c is not None and c.step == 30 and c.sources == {0: ("ram",), 1: ("ram",)}
     # without torch.distributed only this rank's report is there: other ranks need shared tiers

@@ -330,7 +330,11 @@ class Restorer:
         if not self.reshard.enabled:
             return None
         try:
-            mine = reshard_sources(self.tiers.get(), self.job_id, self.rank, self.world_size)
+            # one rank lists the shared tiers for all (their sources serve every rank)
+            shared = self.rank == 0 or not self.phases.distributed
+            mine = reshard_sources(
+                self.tiers.get(), self.job_id, self.rank, self.world_size, shared
+            )
         except Exception as exc:  # stay in lockstep: this rank offers no source
             notes.warn(f"reshard sources not listed: {exc!r}")
             mine = {"rank": self.rank, "sources": [], "records": []}

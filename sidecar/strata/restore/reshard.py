@@ -245,7 +245,7 @@ def _some(paths: list[str], n: int = 8) -> str:
 
 
 def reshard_sources(
-    tiers: Sequence[Tier], job_id: str, rank: int, world_size: int
+    tiers: Sequence[Tier], job_id: str, rank: int, world_size: int, shared: bool = True
 ) -> dict[str, Any]:
     """What this rank (``rank`` of ``world_size``) can reshard from: plain builtins, for the
     ``reshard-candidate`` all-gather and :func:`pick_reshard`.
@@ -257,10 +257,14 @@ def reshard_sources(
     are read; a bad or stale record, or an archive-only copy, is no source. RAM: the step's
     manifests (local files) must all be checksummed, of one incarnation and world size. A tier
     that cannot be listed is skipped (logged). Never raises for a tier's failure.
+    ``shared=False``: list this node's RAM tier only (a shared tier's sources serve every rank,
+    so with torch.distributed one rank lists them for all: one listing of GCS, not one per rank).
     """
     sources: list[dict[str, Any]] = []
     records: dict[str, dict[str, Any]] = {}
     for tier in tiers:
+        if not shared and tier.name not in LOCAL_SOURCES:
+            continue
         try:
             listing = tier.list_steps(job_id)
             for rec in read_incarnations(tier, job_id):
