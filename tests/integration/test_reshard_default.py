@@ -39,6 +39,8 @@ def assert_resharded(got: list[dict[str, Any]], step: int, saved: int, tier: str
         assert any(n.startswith(note) for n in r["skipped"]), r["skipped"]
         # nothing belongs to one rank: nothing is dropped, nothing is borrowed
         assert not any("per-rank values" in n for n in r["skipped"]), r["skipped"]
+        # every rank took the same phases (a rank left behind would hang the others)
+        assert r["phases"] == ["reshard-candidate", "inventory", "reshard-check", "reshard"]
 
 
 def test_global_state_reshards_by_default_4_to_2_and_4_to_8_from_the_pvc(
@@ -108,6 +110,7 @@ def test_per_rank_values_refuse_by_default_and_the_option_accepts_the_documented
         assert r["blocking"] == ["state['per_rank']", "state['rng']"], r
         assert "reshard_per_rank=True" in r["error"] and "step 60" in r["error"], r["error"]
         assert r["untouched"] is True  # refused before anything was loaded
+        assert r["phases"] == ["reshard-candidate", "inventory", "reshard-check"]
     # the explicit opt-out: the step is skipped (noted), and nothing else is restorable
     off = run(
         "restore",

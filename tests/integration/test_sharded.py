@@ -95,6 +95,7 @@ with Checkpointer(**kw) as c:
                 not live["model"][k].full_tensor().any() for k in pl
             ) and not live["ddp"].any()
             res = None
+        result["phases"] = list(c.restorer.phases.trace)
         if res is not None:
             result["step"] = res.step
             result["skipped"] = res.skipped
