@@ -141,3 +141,74 @@ def test_per_rank_values_refuse_by_default_and_the_option_accepts_the_documented
             "are not restored" in n
             for n in r["skipped"]
         ), r["skipped"]
+
+
+FSDP_WORKER = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from strata.client import Checkpointer
+
+mode, ram, out = sys.argv[1:4]
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+mesh = init_device_mesh("cpu", (world,))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+for layer in (model[0], model[2]):
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+def full(sd):
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist()
+            for k, v in sorted(sd.items())}
+
+def digest():
+    msd, osd = get_state_dict(model, opt)
+    return {"model": full(msd),
+            "optim": {k: full(v) for k, v in sorted(osd["state"].items())}}
+
+result = {"rank": rank}
+with Checkpointer(job_id="ns.fsdp", ram_dir=ram, allow_fresh_start=True) as c:
+    if mode == "save":
+        for step in range(3):
+            x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+            model(x[rank::world]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        msd, osd = get_state_dict(model, opt)
+        # Adam's step counters are plain tensors equal on every rank: declared replicated
+        assert c.save(2, {"model": msd, "optim": osd}, replicated={"optim"}), c.last_error
+        c.wait()
+    else:
+        msd, osd = get_state_dict(model, opt)
+        live = {"model": msd, "optim": osd}
+        res = c.restore(live)
+        set_state_dict(model, opt, model_state_dict=live["model"], optim_state_dict=live["optim"])
+        result.update(step=res.step, resharded=res.resharded, saved=res.saved_world_size)
+    result["digest"] = digest()
+dist.barrier()
+dist.destroy_process_group()
+with open(os.path.join(out, f"{mode}-rank-{rank}.json"), "w") as f:
+    json.dump(result, f)
+"""
+
+
+def test_fsdp2_with_adam_reshards_by_default_2_to_1_when_the_step_counters_are_declared(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """FSDP2 + Adam (``get_state_dict``): DTensor parameters and moments, plain ``step``
+    counters declared replicated, equal ``param_groups``: nothing belongs to one rank, so a
+    1-rank job restores the 2-rank step from the node's RAM by default, the same global values."""
+    from tests.integration.test_sharded import run_script
+
+    ram = shm_dir / "node"
+    saved = run_script(FSDP_WORKER, ["save", str(ram)], 2, tmp_path / "s")
+    got = run_script(FSDP_WORKER, ["restore", str(ram)], 1, tmp_path / "r")
+    assert got[0]["step"] == 2 and got[0]["resharded"] is True and got[0]["saved"] == 2
+    assert got[0]["digest"] == saved[0]["digest"]
