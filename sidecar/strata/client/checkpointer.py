@@ -350,7 +350,9 @@ class Checkpointer:
 
     def all_steps(self, tier: str | None = None) -> list[int]:
         """Committed steps, ascending: in ``tier`` ("ram", "pvc", "gcs", "peer"), or restorable
-        (None). Raises ValueError for a tier not configured. See :mod:`strata.client.steps`."""
+        (None). Raises ValueError for a tier not configured. See :mod:`strata.client.steps`.
+        Steps written at another world size are not listed, although :meth:`restore` reshards
+        the newest of them by default when it is newer (:mod:`strata.restore.reshard`)."""
         return _steps.committed_steps(
             self.stager.inventory(self.job_id, self.rank, self.world_size),
             self.world_size,

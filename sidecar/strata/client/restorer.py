@@ -6,9 +6,10 @@ PVC, GCS; verified) -> ``stage`` -> load it in place -> ``load`` -> open the inc
 sharded tensors (``replicas``, ``sharded``). Before the first round (unless resharding is off)
 every rank's reshard sources are gathered (``reshard-candidate``); when the step they pick is
 newer than the plan's, it is resharded instead (``reshard-check``: refused on every rank alike
-when it holds per-rank values without an accepted rule; ``reshard``; :mod:`strata.restore.reshard`).
-A step some rank fails to stage is excluded and the ranks plan again; a copy that fails verification while loading is quarantined and the ranks plan
-again. The phases are :mod:`strata.client.collectives` (every rank calls them in the same order);
+when it holds per-rank values without an accepted rule; then ``reshard``;
+:mod:`strata.restore.reshard`). A step some rank fails to stage is excluded and the ranks plan
+again; a copy that fails verification while loading is quarantined and the ranks plan again.
+The phases are :mod:`strata.client.collectives` (every rank calls them in the same order);
 this rank's own work is :mod:`strata.client.restore_load`; notes and quarantined copies are
 :mod:`strata.client.restore_notes`.
 
