@@ -54,7 +54,7 @@ def weights(seed):
     return torch.randn(256, generator=g)
 
 out = {"restored": None}
-with Checkpointer(cfg) as c:
+with Checkpointer(cfg, reshard=spec.get("reshard")) as c:
     for act in spec["actions"]:
         if "restore" in act:
             live = {"w": torch.zeros(256), "step": -1}
@@ -155,9 +155,14 @@ class Cluster:
         shutil.rmtree(self.ram(node), ignore_errors=True)
 
     def train(
-        self, world: int, actions: list[dict[str, Any]], nodes: list[int] | None = None
+        self,
+        world: int,
+        actions: list[dict[str, Any]],
+        nodes: list[int] | None = None,
+        reshard: bool | None = None,
     ) -> list[dict[str, Any]]:
-        """Run ``world`` trainer ranks (rank r on node ``nodes[r]``, default node r) to the end."""
+        """Run ``world`` trainer ranks (rank r on node ``nodes[r]``, default node r) to the end.
+        ``reshard``: the Checkpointer's (None: its default, resharding when the state allows)."""
         nodes = nodes or list(range(world))
         self.runs += 1
         out = self.root / f"run-{self.runs}"
@@ -166,6 +171,7 @@ class Cluster:
             "configs": [self.config(n).model_dump(mode="json") for n in nodes],
             "actions": actions,
             "out": str(out),
+            "reshard": reshard,
         }
         (out / "spec.json").write_text(json.dumps(spec))
         with socket.socket() as s:
@@ -223,7 +229,11 @@ def test_world_size_changes_both_directions_on_the_same_ram_and_pvc_paths(
     """4 ranks on one node (one sidecar) commit step 700; the job comes back with 2 ranks on the
     same RAM and PVC paths (700 is not restorable at 2: fresh start), saves 100-300: each is
     committed (a stale step 700 and stale ranks 2-3 in the RAM directory neither set the
-    interval nor make the sidecar wait); back to 4 ranks: 700 is superseded (never restored)."""
+    interval nor make the sidecar wait); back to 4 ranks: 700 is superseded (never restored).
+
+    The restores across world sizes opt out of resharding (``reshard=False``): this test is
+    about steps of another world size left behind. By default the state here (a plain tensor
+    per rank) refuses such a restore instead (tests/integration/test_reshard_default.py)."""
     pvc = tmp_path / "pvc"
     cl = Cluster(shm_dir, sidecar_proc, pvc=pvc, pvc_every=100)
     tier = PosixTier(pvc)
@@ -239,7 +249,7 @@ def test_world_size_changes_both_directions_on_the_same_ram_and_pvc_paths(
         for s in (100, 200, 300)  # each waits for its commit record: none may be skipped
         for act in ({"save": s, "seed": 2}, {"wait_file": str(commit_path(pvc, s))})
     ]
-    res = cl.train(2, [{"restore": 1}, *saves], nodes=[0, 0])
+    res = cl.train(2, [{"restore": 1}, *saves], nodes=[0, 0], reshard=False)
     assert [r["restored"]["step"] for r in res] == [None, None]
     # Each was committed (the trainers waited for it); retention (keep 2) on the live ones only.
     for step in (200, 300):
@@ -255,7 +265,7 @@ def test_world_size_changes_both_directions_on_the_same_ram_and_pvc_paths(
     cl.kill_sidecar(0)
 
     cl.start_sidecar(0)  # and back to 4 ranks: 300 is of world size 2, 700 superseded
-    res = cl.train(4, [{"restore": 1}, {"save": 100, "seed": 9}], nodes=[0] * 4)
+    res = cl.train(4, [{"restore": 1}, {"save": 100, "seed": 9}], nodes=[0] * 4, reshard=False)
     assert [r["restored"]["step"] for r in res] == [None] * 4
     wait_until(
         lambda: (committed(tier, 100) or {}).get("world_size") == 4, "step 100 at world size 4"
