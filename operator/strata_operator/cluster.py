@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import socket
 import threading
 from collections import OrderedDict
@@ -230,7 +231,11 @@ class EventRecorder:
     Why not a library's recorder: kopf's ``kopf.event`` creates a new core/v1 Event per call (its
     ``post_event`` says aggregation "should be done by the client library") and works only inside
     kopf's handler context (the report receiver is not), and the Kubernetes Python client has no
-    recorder; its typed ``EventsV1Api`` does the writes here.
+    recorder; its typed ``EventsV1Api`` does the writes here. Read through core/v1, these Events
+    carry ``series`` (``kubectl describe`` prints "(x3 over ...)") but no ``count``,
+    ``firstTimestamp``, ``lastTimestamp`` or ``source``: events.k8s.io/v1 refuses them on create,
+    as it does for the Events of kube-scheduler, so ``--sort-by=.lastTimestamp`` does not order
+    them (``kubectl events`` does).
 
     ``api_client``: a ``kubernetes.client.ApiClient`` (None: the default one); ``events_api``: the
     ``kubernetes.client.EventsV1Api`` to write with (None: one on ``api_client``). ``action``: the
@@ -292,10 +297,7 @@ class EventRecorder:
                 body = {
                     "apiVersion": "events.k8s.io/v1",
                     "kind": "Event",
-                    "metadata": {
-                        "generateName": f"{str(meta.get('name') or 'strata')[:200]}.",
-                        "namespace": namespace,
-                    },
+                    "metadata": {"name": _event_name(meta, now), "namespace": namespace},
                     "eventTime": stamp,
                     "reportingController": COMPONENT,
                     "reportingInstance": self._instance,
@@ -313,7 +315,11 @@ class EventRecorder:
                     },
                 }
                 resp = self._api.create_namespaced_event(
-                    namespace, body, _preload_content=False, _request_timeout=self._timeout
+                    namespace,
+                    body,
+                    field_manager=FIELD_MANAGER,
+                    _preload_content=False,
+                    _request_timeout=self._timeout,
                 )
                 created = json.loads(resp.data)
                 series.name = str(created["metadata"]["name"])
@@ -342,6 +348,7 @@ class EventRecorder:
                 series.name,
                 series.namespace,
                 {"series": {"count": count, "lastObservedTime": stamp}},
+                field_manager=FIELD_MANAGER,
                 _content_type="application/merge-patch+json",
                 _preload_content=False,
                 _request_timeout=self._timeout,
@@ -353,6 +360,13 @@ class EventRecorder:
             raise
         series.count = count
         return True
+
+
+def _event_name(meta: Mapping[str, Any], now: datetime | None) -> str:
+    """``<object name>.<hex nanoseconds><hex random>``: client-go's Event name, and a DNS subdomain
+    as events.k8s.io/v1 requires (it refuses a ``generateName`` ending in ``.``)."""
+    when = (now or datetime.now(UTC)).timestamp()
+    return f"{str(meta.get('name') or 'strata')[:200]}.{int(when * 1e9):x}{secrets.token_hex(2)}"
 
 
 def _micro_time(when: datetime) -> str:

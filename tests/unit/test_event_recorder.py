@@ -4,6 +4,7 @@ instead of becoming a new Event (issue 30 item 6); against a fake events.k8s.io/
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from strata_operator.api.validation import DNS_SUBDOMAIN_PATTERN
 from strata_operator.cluster import EVENT_NOTE_BYTES, EventRecorder, EventSpec
 
 pytestmark = pytest.mark.unit
@@ -37,7 +39,8 @@ class FakeEventsApi:
         if self.fail is not None:
             raise self.fail
         assert kw["_preload_content"] is False and kw["_request_timeout"] > 0
-        name = f"{body['metadata']['generateName']}{len(self.events)}"
+        name = body["metadata"]["name"]
+        assert re.fullmatch(DNS_SUBDOMAIN_PATTERN, name) and name not in self.events
         self.events[name] = json.loads(json.dumps(body)) | {"metadata": {"name": name}}
         return SimpleNamespace(data=json.dumps({"metadata": {"name": name}}).encode())
 
