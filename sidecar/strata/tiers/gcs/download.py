@@ -18,6 +18,7 @@ from strata.format.manifest import Manifest
 from strata.tiers.gcs.client import (
     TRANSFER_ATTEMPTS,
     GcsBucket,
+    transit_retry,
 )
 from strata.tiers.gcs.errors import (
     Aborted,
@@ -88,31 +89,33 @@ class GcsDownloader(GcsBucket):
             ]
 
             def one(sink: _ChunkVerifyingSink) -> None:
-                for attempt in range(1, TRANSFER_ATTEMPTS + 1):
+                def attempt() -> None:
                     sink.reset()
-                    try:
-                        with self._errors("downloading", name, missing=ShardCorrupt):
-                            pinned.download_to_file(
-                                sink,
-                                start=sink.start,
-                                end=sink.end - 1,
-                                checksum=None,  # per range; checked against the manifest instead
-                                retry=self._retry,
-                                timeout=self.request_timeout,
-                            )
-                        sink.finish()
-                        return
-                    except TransitMismatch as exc:
-                        # The stored object's CRC32C matched the manifest, so these bytes were
-                        # damaged on the way: fetch the range again, never quarantine for it.
-                        if attempt == TRANSFER_ATTEMPTS:
-                            raise TransferCorrupt(
-                                f"{exc} in {TRANSFER_ATTEMPTS} downloads, although the stored "
-                                "object's CRC32C matches its manifest: the bytes are damaged in "
-                                "transit (check the network path or proxy); the stored copy is "
-                                "kept, restore from another tier meanwhile"
-                            ) from None
-                        log.warning("%s; downloading the range again", exc)
+                    with self._errors("downloading", name, missing=ShardCorrupt):
+                        pinned.download_to_file(
+                            sink,
+                            start=sink.start,
+                            end=sink.end - 1,
+                            checksum=None,  # per range; checked against the manifest instead
+                            retry=self._retry,
+                            timeout=self.request_timeout,
+                        )
+                    sink.finish()
+
+                # The stored object's CRC32C matched the manifest, so a range that does not
+                # (TransitMismatch) was damaged on the way: fetch it again, never quarantine.
+                retrying = transit_retry(
+                    TransitMismatch, lambda exc: log.warning("%s; downloading the range again", exc)
+                )
+                try:
+                    retrying(attempt)
+                except TransitMismatch as exc:
+                    raise TransferCorrupt(
+                        f"{exc} in {TRANSFER_ATTEMPTS} downloads, although the stored "
+                        "object's CRC32C matches its manifest: the bytes are damaged in "
+                        "transit (check the network path or proxy); the stored copy is "
+                        "kept, restore from another tier meanwhile"
+                    ) from None
 
             if len(sinks) == 1:
                 one(sinks[0])
