@@ -6,6 +6,8 @@ import math
 from decimal import Decimal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from strata_operator.admission.mutation import InjectionSettings, build_pod_patch
@@ -265,3 +267,21 @@ def test_the_longest_go_duration_parses_and_one_second_more_is_out_of_range() ->
     assert math.isclose(v.parse_duration("2562047h47m16s"), 9223372036.0)
     with pytest.raises(ValueError, match="out of range"):
         v.parse_duration("2562047h47m17s")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.from_regex(v.QUANTITY_PATTERN, fullmatch=True) | st.text(max_size=12))
+def test_any_text_parses_to_a_decimal_or_raises_only_value_error(text: str) -> None:
+    # The library underneath raises decimal errors of its own; the API's contract is ValueError.
+    try:
+        value = v.parse_quantity(text)
+    except ValueError:
+        return
+    assert isinstance(value, Decimal) and value.is_finite()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.decimals(min_value=0, max_value=2**63, allow_nan=False, places=6))
+def test_formatted_millis_parse_back_within_one_milli_above(value: Decimal) -> None:
+    text = v.format_quantity(value, "m")
+    assert value <= v.parse_quantity(text) < value + Decimal("0.001")
