@@ -750,6 +750,49 @@ def test_a_created_pvc_makes_its_policy_ready_at_once_not_at_the_next_retry(
         op.stop()
 
 
+def test_a_ready_change_that_repeats_is_counted_in_one_event_not_posted_again(
+    k8s_cluster: LocalCluster, crd: None, kube: Any, k8s_namespace: str, tmp_path: Path
+) -> None:
+    """Issue 30 item 6: the PVC goes away twice, so the policy says the same PVCNotFound twice;
+    its Events hold one PVCNotFound whose series counts 2 (kubectl describe: "x2"), and one
+    Reconciled Event likewise."""
+    ns = k8s_namespace
+    op = Operator(k8s_cluster, tmp_path, None)
+    op.start("--dependency-retry", "600", "--no-bucket-check")
+    try:
+        create_policy(kube, PolicyBuilder("flaps", ns).pvc("claim").obj())
+        wait_ready(kube, ns, "flaps", status="False")
+        for _ in range(2):
+            create_pvc(kube, ns, "claim", bound=False)  # Pending: Ready (and Degraded) all the same
+            wait_ready(kube, ns, "flaps")
+            client.CoreV1Api(kube).delete_namespaced_persistent_volume_claim("claim", ns)
+            wait_for(
+                "the PVC to be gone",
+                lambda: (
+                    not [
+                        p
+                        for p in client.CoreV1Api(kube)
+                        .list_namespaced_persistent_volume_claim(ns)
+                        .items
+                        if p.metadata.name == "claim"
+                    ]
+                ),
+            )
+            wait_ready(kube, ns, "flaps", status="False")
+
+        def counts() -> dict[str, list[int]]:
+            found: dict[str, list[int]] = {}
+            for e in events_for(kube, ns, "flaps"):
+                found.setdefault(e["reason"], []).append((e.get("series") or {}).get("count", 1))
+            return found
+
+        want = {k.REASON_PVC_NOT_FOUND: [3], k.REASON_RECONCILED: [2]}
+        wait_for(f"events counted as {want}", lambda: counts() == want)
+        assert op.alive() and op.errors() == []
+    finally:
+        op.stop()
+
+
 def test_a_pending_pvc_is_degraded_and_said_in_ready_until_it_binds(
     k8s_cluster: LocalCluster, crd: None, kube: Any, k8s_namespace: str, tmp_path: Path
 ) -> None:
