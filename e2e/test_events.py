@@ -1,6 +1,6 @@
 """Events against the real apiserver: the operator's recorder writes events.k8s.io/v1 Events that
 the apiserver validates, and a repeat is aggregated into the first Event's series (read back
-through both events.k8s.io/v1 and core/v1, as ``kubectl describe`` does)."""
+through events.k8s.io/v1, core/v1 and ``kubectl describe``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client import ApiClient
 
+from e2e.cluster import LocalCluster
 from strata_operator.cluster import EventRecorder, EventSpec
 
 pytestmark = pytest.mark.e2e
@@ -33,7 +34,7 @@ def core_events(api: ApiClient, namespace: str) -> list[dict[str, Any]]:
 
 
 def test_a_repeated_event_is_one_event_whose_series_counts_the_repeats(
-    api: ApiClient, k8s_namespace: str
+    api: ApiClient, k8s_cluster: LocalCluster, k8s_namespace: str
 ) -> None:
     obj = config_map(api, k8s_namespace)
     recorder = EventRecorder(api, action="Reconcile")
@@ -58,6 +59,8 @@ def test_a_repeated_event_is_one_event_whose_series_counts_the_repeats(
     v1 = json.loads(raw.data)
     assert v1["series"]["count"] == 3 and v1["action"] == "Reconcile"
     assert v1["regarding"]["name"] == "regarded"
+    described = k8s_cluster.kubectl("describe", "configmap", "regarded", "-n", k8s_namespace)
+    assert "(x3 over" in described and "strata-operator" in described  # Age, From
 
 
 def test_an_event_deleted_by_the_apiserver_is_posted_anew(

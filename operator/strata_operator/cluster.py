@@ -220,28 +220,27 @@ class EventRecorder:
 
     The first occurrence of an Event (same object, type, reason, action and message) creates one;
     each repeat PATCHes that Event's ``series`` (``count`` 2, 3, ... and ``lastObservedTime``), so
-    ``kubectl describe`` shows ``(x3 over 10m)`` and ``kubectl get events`` one line, instead of one
-    new Event per occurrence. These are the semantics of client-go's events.k8s.io recorder
+    ``kubectl describe`` shows ``(x3 over 10m)`` and the namespace holds one Event instead of one
+    per occurrence. These are the semantics of client-go's events.k8s.io recorder
     (``k8s.io/client-go/tools/events``), except that every repeat is written at once rather than on
-    a 30-minute heartbeat: the operator's Events are state changes, not a stream. A series
-    survives as long as this process remembers it (:data:`EVENT_SERIES_CACHE`) and the apiserver
-    keeps the Event (``--event-ttl``, 1 h after its last write): when the PATCH finds it gone, the
-    next occurrence creates a new Event.
+    a 30-minute heartbeat: the operator's Events are state changes, not a stream. A series lasts
+    as long as this process remembers it (:data:`EVENT_SERIES_CACHE`) and the apiserver keeps the
+    Event (``--event-ttl``, 1 h by default): when the PATCH finds it gone, that occurrence creates
+    a new Event.
 
-    Why not a library's recorder: kopf's ``kopf.event`` creates a new core/v1 Event per call (its
-    ``post_event`` says aggregation "should be done by the client library") and works only inside
-    kopf's handler context (the report receiver is not), and the Kubernetes Python client has no
-    recorder; its typed ``EventsV1Api`` does the writes here. Read through core/v1, these Events
-    carry ``series`` (``kubectl describe`` prints "(x3 over ...)") but no ``count``,
-    ``firstTimestamp``, ``lastTimestamp`` or ``source``: events.k8s.io/v1 refuses them on create,
-    as it does for the Events of kube-scheduler, so ``--sort-by=.lastTimestamp`` does not order
-    them (``kubectl events`` does).
+    Why not a library's recorder: ``kopf.event`` creates a new core/v1 Event per call (kopf's
+    ``post_event`` says aggregation "should be done by the client library") and is made for kopf's
+    handlers (it queues into the operator's context), while the report receiver posts from its own
+    HTTP server; the Kubernetes Python client has no recorder, so its ``EventsV1Api`` does the
+    writes here. Read through core/v1, these Events carry ``series`` but no ``count``,
+    ``firstTimestamp``, ``lastTimestamp`` or ``source`` (events.k8s.io/v1 refuses those on create);
+    ``kubectl describe`` shows the series ("x3 over 10m") and ``reportingController`` as "From".
 
     ``api_client``: a ``kubernetes.client.ApiClient`` (None: the default one); ``events_api``: the
     ``kubernetes.client.EventsV1Api`` to write with (None: one on ``api_client``). ``action``: the
     ``action`` of Events whose :class:`EventSpec` gives none (``Reconcile``); ``instance``: the
-    ``reportingInstance`` (None: ``strata-operator-<hostname>``, the pod's name in a pod). Errors are logged,
-    never raised: an Event is advice, not state. Thread-safe.
+    ``reportingInstance`` (None: ``strata-operator-<hostname>``, the pod's name in a pod). Errors
+    are logged, never raised: an Event is advice, not state. Thread-safe.
     """
 
     def __init__(
