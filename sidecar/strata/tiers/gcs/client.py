@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 import requests
 import tenacity
@@ -175,6 +176,23 @@ class GcsBucket:
 
     def manifest_url(self, job_id: str, step: int, rank: int) -> str:
         return self.url(layout.manifest_key(job_id, step, rank))
+
+    def delete_listed(self, blob: storage.Blob) -> Literal["deleted", "gone", "rewritten"]:
+        """Delete ``blob`` only while it is the generation that was listed
+        (``ifGenerationMatch``; retried, being conditional): "deleted"; "gone" when it no longer
+        exists; "rewritten" when a newer generation replaced it since (kept). Other errors are
+        raised as google-cloud-storage raises them."""
+        try:
+            blob.delete(
+                if_generation_match=blob.generation,
+                retry=self._cond_retry,
+                timeout=self.request_timeout,
+            )
+        except gexc.NotFound:
+            return "gone"
+        except gexc.PreconditionFailed:
+            return "rewritten"
+        return "deleted"
 
     def close(self) -> None:
         """Close the HTTP connections of a client this tier created."""
