@@ -348,12 +348,13 @@ class Restorer:
         )
         log.warning(
             "strata: restored step %d of job %s rank %d by resharding from world size %d "
-            "(%d bytes read, %.3f s)",
+            "(%d bytes read for %d needed, %.3f s)",
             step,
             self.job_id,
             self.rank,
             saved_world,
             read.nbytes,
+            read.nbytes_needed,
             result.seconds,
         )
         self._report_restore(result, "restored", notes)

@@ -11,6 +11,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from google.api_core import exceptions as gexc
+
 from strata.errors import ShardCorrupt, ShardUnavailable, TierError, TierFull
 from strata.format import layout
 from strata.format.crc import combine_chunks, crc32c
@@ -31,6 +33,28 @@ log = logging.getLogger(__name__)
 
 class GcsDownloader(GcsBucket):
     """The read path of the GCS tier."""
+
+    def read_range(self, job_id: str, step: int, rank: int, offset: int, nbytes: int) -> bytes:
+        """:meth:`strata.tiers.base.Tier.read_range` as one ranged GET (``Range: bytes=``):
+        only the bytes asked for cross the network; the caller verifies them against the
+        manifest's chunk CRC32Cs (a range has no server-side checksum)."""
+        if nbytes <= 0:
+            return b""
+        key = layout.data_key(job_id, step, rank)
+        name = self.object_name(key)
+        with self._errors("downloading", name, missing=ShardUnavailable):
+            try:
+                return bytes(
+                    self._bucket.blob(name).download_as_bytes(
+                        start=offset,
+                        end=offset + nbytes - 1,
+                        checksum=None,  # per range; checked against the manifest's chunks
+                        retry=self._retry,
+                        timeout=self.request_timeout,
+                    )
+                )
+            except gexc.RequestRangeNotSatisfiable:
+                return b""  # the object ends before offset: the caller calls it truncated
 
     def fetch_shard(
         self, job_id: str, step: int, rank: int, dst_path: Path, verify: bool = True
