@@ -120,6 +120,8 @@ class PolicyReconciler:
     """
 
     name = "reconcile"
+    leader_only = True
+    """Runs only on the replica holding the Lease (``--leader-elect``): it writes policies."""
 
     def __init__(self, options: Options | None = None, clients: Clients | None = None) -> None:
         self.options = options or Options()

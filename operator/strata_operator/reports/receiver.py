@@ -385,6 +385,8 @@ class ReportReceiver:
     is :attr:`state` (set by :meth:`configure`)."""
 
     name = "reports"
+    leader_only = True
+    """Runs only on the replica holding the Lease (``--leader-elect``): it writes policies."""
 
     def __init__(self, state: ReceiverState | None = None) -> None:
         self.state = state
@@ -489,6 +491,8 @@ class ReportReceiver:
             await state.batches.close()
         if state is not None and state.executor is not None:
             state.executor.shutdown(wait=False, cancel_futures=True)
+            # A replica that leads again later starts the receiver again with new threads.
+            state.executor = None
 
     async def labelled_pod(self, body: kopf.Body, type: str | None, **_: Any) -> None:
         """Keep the receiver's view of labelled pods (no GET per report), and report a labelled pod
