@@ -28,7 +28,7 @@ is in the one registry, as before.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import contextlib
 import hashlib
 import ipaddress
 import json
@@ -301,6 +301,32 @@ def election_identity(args: argparse.Namespace) -> str:
     return f"{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
 
 
+def run_until(stop: threading.Event, **kwargs: Any) -> None:
+    """``kopf.operator(**kwargs)`` in a new event loop until SIGINT/SIGTERM (in the main thread)
+    or ``stop``. kopf itself would wait for a ``threading.Event`` (or a concurrent future) on a
+    thread of the loop's default executor and then wait for that thread at exit, forever; here a
+    daemon thread of our own relays it into an asyncio future."""
+    import asyncio
+
+    async def operate() -> None:
+        loop = asyncio.get_running_loop()
+        stopped: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not stopped.done():
+                stopped.set_result(None)
+
+        def relay() -> None:
+            stop.wait()
+            loop.call_soon_threadsafe(wake)
+
+        threading.Thread(target=relay, name="strata-stop-relay", daemon=True).start()
+        await kopf.operator(stop_flag=stopped, **kwargs)
+
+    with contextlib.suppress(asyncio.CancelledError):  # as kopf.run
+        asyncio.run(operate())
+
+
 class ElectedOperator:
     """The leader's kopf operator, run by a :class:`strata_operator.leadership.LeaderElector`
     while this replica holds the Lease; started and stopped by the first registry's startup and
@@ -310,7 +336,7 @@ class ElectedOperator:
         self,
         args: argparse.Namespace,
         registry: kopf.OperatorRegistry,
-        process_stop: concurrent.futures.Future[None],
+        process_stop: threading.Event,
     ) -> None:
         self.args = args
         self.registry = registry
@@ -335,40 +361,19 @@ class ElectedOperator:
 
     def lead(self, stop: threading.Event) -> None:
         """Run the leader's kopf operator until ``stop`` (in the election's thread)."""
-        import asyncio
-
         namespaces = tuple(self.args.namespace)
-
-        async def operate() -> None:
-            # kopf waits for a threading.Event on a thread of the default executor, which the
-            # handlers need; a future set from a thread of our own costs none.
-            loop = asyncio.get_running_loop()
-            stopped: asyncio.Future[None] = loop.create_future()
-
-            def wake() -> None:
-                if not stopped.done():
-                    stopped.set_result(None)
-
-            def relay() -> None:
-                stop.wait()
-                loop.call_soon_threadsafe(wake)
-
-            threading.Thread(target=relay, name="strata-leader-stop", daemon=True).start()
-            await kopf.operator(
-                registry=self.registry,
-                standalone=True,
-                clusterwide=not namespaces,
-                namespaces=namespaces,
-                memo=kopf.Memo(),
-                stop_flag=stopped,
-            )
-
-        asyncio.run(operate())
+        run_until(
+            stop,
+            registry=self.registry,
+            standalone=True,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            memo=kopf.Memo(),
+        )
 
     def fail(self) -> None:
         self.failed = True
-        if not self.process_stop.done():
-            self.process_stop.set_result(None)
+        self.process_stop.set()
 
     def label(self, leading: bool) -> None:
         """The pod's role label (the reports Service selects the leader); only in a pod."""
@@ -413,22 +418,26 @@ def run(argv: Sequence[str] | None = None) -> int:
     config.load_config()  # type: ignore[no-untyped-call]
     wiring = build_wiring(args)
     namespaces = tuple(args.namespace)
-    # kopf awaits a concurrent future without a thread (a threading.Event would hold one).
-    process_stop: concurrent.futures.Future[None] = concurrent.futures.Future()
-    elected = None
-    if args.leader_elect:
-        registry, leader_registry = build_registries(args, wiring, extensions)
-        elected = ElectedOperator(args, leader_registry, process_stop)
-        elected.register(registry)
-    else:
-        registry = build_registry(args, wiring, extensions)
-    kopf.run(
+    if not args.leader_elect:
+        kopf.run(
+            registry=build_registry(args, wiring, extensions),
+            standalone=True,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=args.liveness,
+            memo=kopf.Memo(),
+        )
+        return 0
+    registry, leader_registry = build_registries(args, wiring, extensions)
+    elected = ElectedOperator(args, leader_registry, threading.Event())
+    elected.register(registry)
+    run_until(
+        elected.process_stop,
         registry=registry,
         standalone=True,
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness,
         memo=kopf.Memo(),
-        stop_flag=process_stop,
     )
-    return 1 if elected is not None and elected.failed else 0
+    return 1 if elected.failed else 0
