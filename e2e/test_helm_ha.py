@@ -78,6 +78,12 @@ def test_two_replicas_roll_without_a_gap_spread_and_keep_one_through_drains(char
     assert (
         term["podAffinityTerm"]["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
     )
+    (container,) = spec["template"]["spec"]["containers"]
+    # Out of the endpoints before SIGTERM: the API server does not retry a webhook call.
+    assert container["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
+    assert spec["template"]["spec"]["terminationGracePeriodSeconds"] > 5
+    single = _one(chart.template(NS, []), "Deployment")["spec"]["template"]["spec"]
+    assert "lifecycle" not in single["containers"][0]
     pdb = _one(objects, "PodDisruptionBudget")["spec"]
     assert pdb == {"minAvailable": 1, "selector": {"matchLabels": spec["selector"]["matchLabels"]}}
     # A user's own affinity replaces the default one.
