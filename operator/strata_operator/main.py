@@ -396,10 +396,15 @@ class ElectedOperator:
         self.elector.start()
 
     async def stop(self, **_: Any) -> None:
-        """kopf cleanup handler: stop leading and release the Lease."""
+        """kopf cleanup handler: stop leading, release the Lease, label the pod standby (the
+        reports Service stops selecting it before the Lease's next holder labels itself)."""
         import asyncio
 
         await asyncio.to_thread(self.elector.stop)
+        try:
+            await asyncio.to_thread(self.label, False)
+        except Exception as exc:  # the label only steers reports
+            logging.getLogger("strata.leadership").warning("could not label the pod: %s", exc)
 
     def register(self, registry: kopf.OperatorRegistry) -> None:
         kopf.on.startup(id="start_leader_election", registry=registry)(self.start)

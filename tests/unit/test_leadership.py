@@ -204,3 +204,43 @@ def test_leader_only_roles_register_into_the_leaders_registry(tmp_path: Any) -> 
     assert ids(leader, "_changing") == {"reconcile_policy"}
     assert ids(leader, "_watching") == {"pvc_changed", "labelled_pod"}
     assert {"start_receiver", "stop_receiver", "tune_kopf"} <= ids(leader, "_activities")
+
+
+class FlakyLeases(FakeLeases):
+    """Leases whose writes fail while ``down`` is set (the apiserver unreachable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = threading.Event()
+
+    def replace_namespaced_lease(self, *args: Any, **kwargs: Any) -> Any:
+        if self.down.is_set():
+            raise _error(503, "ServiceUnavailable")
+        return super().replace_namespaced_lease(*args, **kwargs)
+
+
+def test_a_leader_that_cannot_renew_stops_its_work_and_leads_again_later() -> None:
+    api = FlakyLeases()
+    runs: list[str] = []
+
+    def lead(stop: threading.Event) -> None:
+        runs.append("start")
+        stop.wait()
+        runs.append("stop")
+
+    elector = LeaderElector(
+        namespace="ns", name="strata", identity="a", lead=lead, timing=FAST, api=api
+    )
+    elector.start()
+    _wait(lambda: runs == ["start"], 5)
+    api.down.set()
+    # Not renewed for the renew deadline: the work is told to stop, the role is standby.
+    stopped = _wait(lambda: runs == ["start", "stop"], FAST.renew_deadline + 3 * FAST.retry_period)
+    assert stopped >= FAST.renew_deadline - FAST.retry_period
+    assert not elector.is_leader
+    api.down.clear()
+    _wait(lambda: runs == ["start", "stop", "start"], FAST.lease_duration + 4 * FAST.retry_period)
+    assert elector.is_leader
+    assert [leading for _, leading in elector.transitions] == [True, False, True]
+    elector.stop(grace=5)
+    assert runs[-1] == "stop" and api.holder() is None
