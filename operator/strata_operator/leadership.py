@@ -1,14 +1,19 @@
 """Leader election of the operator's replicas: one ``coordination.k8s.io/v1`` Lease.
 
-Why: the chart runs two replicas so that a lost pod (node drain, OOM, SIGKILL) does not stop the
+Why: the chart runs two replicas (``replicaCount: 2``) so that a lost pod (node drain, OOM, SIGKILL) does not stop the
 admission webhook, whose ``failurePolicy: Fail`` refuses training pods while nobody answers. The
 webhook is stateless and runs on EVERY replica (each keeps its own policy cache with its own LIST +
 WATCH, :mod:`strata_operator.admission.policy_cache`, fresh on a standby too). What writes the
 policies runs on ONE replica, the holder of the Lease: the reconcile (``status.conditions``, kopf's
 progress and diff-base annotations, Events) and the report receiver (``status.jobs[]``, the
 labelled-pod watch, ``NotProtected`` Events). Two writers would race on status and kopf's
-annotations; kopf's own peering is no answer: it pauses an operator only for a peer of HIGHER
-priority (equal priorities both run, with a warning), and a paused kopf stops all its watchers.
+annotations. kopf's own peering (1.45, ``_core/engines/peering.py``) was checked and not taken:
+it is a static priority order, not an election (a replica pauses while a live peer has a higher
+priority; equal priorities pause every replica, self included), so each replica would need a
+distinct priority; a dead peer is noticed only when its entry's lifetime (60 s by default) runs
+out; it needs the KopfPeering CRDs; and a paused kopf closes ALL its watch streams (the pod watch
+of the receiver and the ``policy_event`` feed of the policy cache; the admission server, a task
+without the pause toggle, keeps serving).
 
 How (``strata_operator.main``): the leader-only roles get a kopf registry of their own, which
 :class:`LeaderElector` runs as a second kopf operator, in a thread with its own event loop, while
