@@ -396,15 +396,16 @@ class ElectedOperator:
         self.elector.start()
 
     async def stop(self, **_: Any) -> None:
-        """kopf cleanup handler: stop leading, release the Lease, label the pod standby (the
-        reports Service stops selecting it before the Lease's next holder labels itself)."""
+        """kopf cleanup handler: label the pod standby (the reports Service stops selecting it
+        before the Lease's next holder labels itself leader), then stop leading and release the
+        Lease."""
         import asyncio
 
-        await asyncio.to_thread(self.elector.stop)
         try:
             await asyncio.to_thread(self.label, False)
         except Exception as exc:  # the label only steers reports
             logging.getLogger("strata.leadership").warning("could not label the pod: %s", exc)
+        await asyncio.to_thread(self.elector.stop)
 
     def register(self, registry: kopf.OperatorRegistry) -> None:
         kopf.on.startup(id="start_leader_election", registry=registry)(self.start)
@@ -434,7 +435,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         )
         return 0
     registry, leader_registry = build_registries(args, wiring, extensions)
-    elected = ElectedOperator(args, leader_registry, threading.Event())
+    try:
+        elected = ElectedOperator(args, leader_registry, threading.Event())
+    except ValueError as err:  # lease timings that cannot work together
+        raise SystemExit(f"strata operator: {err}") from None
     elected.register(registry)
     run_until(
         elected.process_stop,

@@ -244,3 +244,11 @@ def test_a_leader_that_cannot_renew_stops_its_work_and_leads_again_later() -> No
     assert [leading for _, leading in elector.transitions] == [True, False, True]
     elector.stop(grace=5)
     assert runs[-1] == "stop" and api.holder() is None
+
+
+def test_lease_timings_that_cannot_work_stop_the_operator_with_a_message(tmp_path: Any) -> None:
+    argv = ["--tls-workdir", str(tmp_path), "--metrics-port", "0", "--leader-elect"]
+    args = main.build_parser().parse_args([*argv, "--lease-duration=5", "--renew-deadline=5"])
+    _, leader = main.build_registries(args, main.build_wiring(args), [])
+    with pytest.raises(ValueError, match="must exceed the renew deadline"):
+        main.ElectedOperator(args, leader, threading.Event())
