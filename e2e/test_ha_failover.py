@@ -36,7 +36,8 @@ client retries only GETs on a broken connection), so after the SIGKILL the calls
 dead replica before its endpoint is withdrawn are refused (500: ``connection reset by peer`` or
 ``EOF`` for those it held, ``connection refused`` for new connections; a controller creating the
 pod retries it): the test asserts that these are all the refusals, all within a second of the
-kill, and prints the figures (``e2e/results/ha-failover-latest.json``).
+kill, and prints the figures (written to ``e2e/results/ha-failover-latest.json`` with
+``STRATA_RECORD_RESULTS=1``).
 """
 
 from __future__ import annotations
@@ -589,9 +590,10 @@ def test_sigkill_of_the_leader_injects_every_admitted_pod_and_the_survivor_takes
             "refusals": [r.split("failed calling webhook", 1)[-1][:240] for r in out.refused],
         }
         print("\nHA failover: " + json.dumps(figures))
-        results = REPO_ROOT / "e2e" / "results"
-        if results.is_dir():
-            (results / "ha-failover-latest.json").write_text(json.dumps(figures, indent=2) + "\n")
+        # Recorded only when asked: `make test` on a clean clone leaves the tracked file as is.
+        if os.environ.get("STRATA_RECORD_RESULTS") == "1":
+            out_file = REPO_ROOT / "e2e" / "results" / "ha-failover-latest.json"
+            out_file.write_text(json.dumps(figures, indent=2) + "\n")
         # No pod runs without its sidecar: a pod is either injected or not created.
         assert out.uninjected == [], out.uninjected[:10]
         # Withdrawing the endpoint refuses nothing. After SIGTERM, the apiserver may still send
