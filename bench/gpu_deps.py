@@ -21,6 +21,7 @@ DEPS: dict[str, tuple[str, str]] = {
     "typing_inspection": ("typing_inspection", "0.4.4"),
     "typing_extensions": ("typing_extensions", "4.16"),
     "google_crc32c": ("google_crc32c", "1.5"),
+    "tenacity": ("tenacity", "8.3"),
 }
 """Import name -> (wheel name prefix, lowest version that will do): every third-party module
 ``import strata.client`` and a save/restore import, beyond torch (and numpy, sympy, triton,

@@ -10,7 +10,9 @@ real processes, on the same seeded bytes:
   ``dcp.save`` (FileSystemWriter) writes for the same state, and the state's unique bytes;
 - ``reshard_restore_s`` vs ``dcp_load_s``: restoring the 4-rank step at half the ranks (from a
   PVC directory on /dev/shm) vs ``dcp.load`` of the DCP checkpoint at the same half size
-  (slowest rank of each).
+  (slowest rank of each); ``grow_*`` the same at twice the ranks (``--no-grow`` skips it);
+- ``reshard_read_over_needed`` / ``grow_read_over_needed`` per rank: bytes the restore read from
+  the tiers (whole 4 MiB checksum chunks) over the bytes of that rank's slices (goal <= 1.1).
 
 Writes ``bench/results/sharded.json`` and prints a small table. Figures depend on the machine's
 load: run it on an idle machine for numbers to compare.
@@ -120,6 +122,9 @@ def rank_main(mode: str, root: Path, mb: int, rounds: int) -> dict[str, Any]:
         res = ckpt.restore({"model": state})
         out["reshard_restore_s"] = time.perf_counter() - t0
         out["restored_step"] = res.step
+        # bytes read from the tiers (whole checksum chunks) vs this rank's slices of the state
+        out["read_bytes"] = res.nbytes
+        out["needed_bytes"] = sum(t.to_local().numel() * t.element_size() for t in state.values())
         ckpt.close()
         dist.barrier()
         t0 = time.perf_counter()
@@ -160,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--mb", type=int, default=256, help="global state size, MiB")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--no-grow",
+        dest="grow",
+        action="store_false",
+        help="skip the restore at twice the ranks (it runs 2 x --ranks processes)",
+    )
     ap.add_argument("--root", type=Path, default=None)
     ap.add_argument("--_rank", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=RESULTS / "sharded.json")
@@ -171,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         saved = launch("save", a.ranks, root, a.mb, a.rounds)
         loaded = launch("load", a.ranks // 2, root, a.mb, a.rounds)
+        grown = launch("load", a.ranks * 2, root, a.mb, a.rounds) if a.grow else []
         dcp_bytes = sum(f.stat().st_size for f in (root / "dcp").iterdir() if f.is_file())
         unique = a.mb * 1024 * 1024 // 16 * 16
         result = {
@@ -185,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
             "reshard_restore_s": max(x["reshard_restore_s"] for x in loaded),
             "dcp_load_s": max(x["dcp_load_s"] for x in loaded),
             "restored_step": loaded[0]["restored_step"],
+            "reshard_read_over_needed": [x["read_bytes"] / x["needed_bytes"] for x in loaded],
         }
+        if grown:
+            result["grow_to"] = a.ranks * 2
+            result["grow_restore_s"] = max(x["reshard_restore_s"] for x in grown)
+            result["grow_dcp_load_s"] = max(x["dcp_load_s"] for x in grown)
+            result["grow_read_over_needed"] = [x["read_bytes"] / x["needed_bytes"] for x in grown]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,6 +218,19 @@ def main(argv: list[str] | None = None) -> int:
         f"restore {a.ranks}->{a.ranks // 2}: strata {result['reshard_restore_s']:.3f} s, "
         f"dcp.load {result['dcp_load_s']:.3f} s"
     )
+    for key, to in (("reshard", a.ranks // 2), ("grow", a.ranks * 2)):
+        ratios = result.get(f"{key}_read_over_needed")
+        if ratios:
+            worst = max(ratios)
+            print(
+                f"restore {a.ranks}->{to}: bytes read / bytes needed per rank "
+                f"{' '.join(f'{x:.2f}' for x in ratios)} (worst {worst:.2f}, goal <= 1.1)"
+            )
+    if grown:
+        print(
+            f"restore {a.ranks}->{a.ranks * 2}: strata {result['grow_restore_s']:.3f} s, "
+            f"dcp.load {result['grow_dcp_load_s']:.3f} s"
+        )
     return 0
 
 

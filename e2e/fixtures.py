@@ -88,7 +88,8 @@ def save_evidence(cluster: LocalCluster, namespace: str) -> Path:
     dump("objects.yaml", "get", _EVIDENCE_KINDS, "-n", namespace, "-o", "yaml")
     # A separate read: the CRD may not be installed in this test.
     dump("checkpointpolicies.yaml", "get", "checkpointpolicies", "-n", namespace, "-o", "yaml")
-    dump("events.txt", "get", "events", "-n", namespace, "--sort-by=.lastTimestamp")
+    # By creation: the operator's events.k8s.io/v1 Events leave the deprecated lastTimestamp unset.
+    dump("events.txt", "get", "events", "-n", namespace, "--sort-by=.metadata.creationTimestamp")
     pods = dump("pods.txt", "get", "pods", "-n", namespace, "-o", "name")
     for pod in pods.split():
         if not pod.startswith("pod/"):

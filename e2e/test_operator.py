@@ -32,6 +32,7 @@ from e2e.cluster import LOOPBACK_NO_PROXY, ClusterError, LocalCluster, free_port
 from strata_operator import api, crdgen
 from strata_operator import constants as k
 from strata_operator.api import conditions as c
+from strata_operator.reconcile.policy import InvalidSpec, parse_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -748,6 +749,103 @@ def test_a_created_pvc_makes_its_policy_ready_at_once_not_at_the_next_retry(
         assert op.alive() and op.errors() == []
     finally:
         op.stop()
+
+
+def test_a_ready_change_that_repeats_is_counted_in_one_event_not_posted_again(
+    k8s_cluster: LocalCluster, crd: None, kube: Any, k8s_namespace: str, tmp_path: Path
+) -> None:
+    """Issue 30 item 6: the PVC goes away twice, so the policy says the same PVCNotFound twice;
+    its Events hold one PVCNotFound whose series counts 2 (kubectl describe: "x2"), and one
+    Reconciled Event likewise."""
+    ns = k8s_namespace
+    op = Operator(k8s_cluster, tmp_path, None)
+    op.start("--dependency-retry", "600", "--no-bucket-check")
+    try:
+        create_policy(kube, PolicyBuilder("flaps", ns).pvc("claim").obj())
+        wait_ready(kube, ns, "flaps", status="False")
+        for _ in range(2):
+            create_pvc(kube, ns, "claim", bound=False)  # Pending: Ready (and Degraded) all the same
+            wait_ready(kube, ns, "flaps")
+            client.CoreV1Api(kube).delete_namespaced_persistent_volume_claim("claim", ns)
+            wait_for(
+                "the PVC to be gone",
+                lambda: (
+                    not [
+                        p
+                        for p in client.CoreV1Api(kube)
+                        .list_namespaced_persistent_volume_claim(ns)
+                        .items
+                        if p.metadata.name == "claim"
+                    ]
+                ),
+            )
+            wait_ready(kube, ns, "flaps", status="False")
+
+        def counts() -> dict[str, list[int]]:
+            found: dict[str, list[int]] = {}
+            for e in events_for(kube, ns, "flaps"):
+                found.setdefault(e["reason"], []).append((e.get("series") or {}).get("count", 1))
+            return found
+
+        want = {k.REASON_PVC_NOT_FOUND: [3], k.REASON_RECONCILED: [2]}
+        wait_for(f"events counted as {want}", lambda: counts() == want)
+        assert op.alive() and op.errors() == []
+    finally:
+        op.stop()
+
+
+SIZE_SPELLINGS = (
+    *("1Gi", "1e9", "1E9", "1e+9", "1.5Gi", ".5Gi", "+1Gi", "1073741824", "0.001Ti", "1000000k"),
+    *("16G", "32Ti", "1.e9", "1.", "33Ti", "1Ki", "2E", "1e1.5", "1K", "1gi", "1_000000000"),
+    *("0x10", "Infinity", "1e400", "1Mi", "1048575"),
+)
+DURATION_SPELLINGS = (
+    *("1s", "1.5s", "1000ms", "999ms", "90s", "1h30m", "1h1.5m", "2562047h", "2562048h", "1d"),
+    *("0.5s", "1000000us", "1000000µs", "1000000000ns", "1m0s", "-1s", "+1s", "1.s", "1h "),
+)
+
+ACCEPTED_SPELLINGS = (
+    *("1Gi", "1e9", "1E9", "1e+9", "1.5Gi", ".5Gi", "+1Gi", "1073741824", "0.001Ti", "1000000k"),
+    *("16G", "32Ti", "1.e9", "1Mi"),
+    *("1s", "1.5s", "1000ms", "90s", "1h30m", "1h1.5m", "2562047h", "1000000us", "1000000µs"),
+    *("1000000000ns", "1m0s"),
+)
+
+
+def test_the_models_accept_exactly_the_quantities_and_durations_the_apiserver_accepts(
+    crd: None, kube: Any, k8s_namespace: str
+) -> None:
+    """Issue 30 item 6: parse_quantity (kubernetes.utils.quantity) and parse_duration
+    (durationpy) behind the pydantic models agree with the CRD's schema and CEL on every
+    spelling, in and out of range."""
+    specs = [PolicyBuilder().ram(sizeLimit=t).spec() for t in SIZE_SPELLINGS] + [
+        PolicyBuilder().pvc(steps=None, every={"duration": t}).spec() for t in DURATION_SPELLINGS
+    ]
+    disagree, accepted = [], []
+    for n, (text, spec) in enumerate(zip(SIZE_SPELLINGS + DURATION_SPELLINGS, specs, strict=True)):
+        body = {
+            "apiVersion": f"{api.GROUP}/{api.VERSION}",
+            "kind": api.KIND,
+            "metadata": {"name": f"spelling-{n}", "namespace": k8s_namespace},
+            "spec": spec,
+        }
+        try:
+            create_policy(kube, body)
+            by_apiserver = True
+        except ApiException as exc:
+            assert exc.status == 422, exc
+            by_apiserver = False
+        try:
+            parse_spec(spec)
+            by_model = True
+        except InvalidSpec:
+            by_model = False
+        if by_apiserver != by_model:
+            disagree.append((text, by_apiserver, by_model))
+        elif by_apiserver:
+            accepted.append(text)
+    assert disagree == [], "(spelling, apiserver accepts, model accepts)"
+    assert sorted(accepted) == sorted(ACCEPTED_SPELLINGS)
 
 
 def test_a_pending_pvc_is_degraded_and_said_in_ready_until_it_binds(

@@ -18,26 +18,32 @@ under one field manager (:data:`strata_operator.constants.FIELD_MANAGER`):
   sidecars' flush estimates), changed; the reconcile keeps condition types it does not own, and
   a reconcile write that raced it away is repaired by the next report.
 
-Events are posted with :func:`post_event` after the status patch they accompany succeeded (the
-JobSet way); a failure to post one is logged, never raised: an Event is advice, not state.
+Events are posted with :class:`EventRecorder` after the status patch they accompany succeeded (the
+JobSet way); a failure to post one is logged, never raised: an Event is advice, not state. They are
+events.k8s.io/v1 Events, and a repeated one (same object, type, reason, action, message) is
+aggregated into its first Event's ``series`` (count, last observed time) instead of being posted
+again; :class:`EventRecorder` says why this is not kopf's or another library's recorder.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
+import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from strata.errors import StrataError
 from strata_operator import api
-from strata_operator.api import conditions as c
 from strata_operator.api.events import EventSpec
 from strata_operator.constants import COMPONENT, FIELD_MANAGER
 
-__all__ = ["ClusterWriteFailed", "EventSpec", "StatusWriter", "get_policy", "post_event"]
+__all__ = ["ClusterWriteFailed", "EventRecorder", "EventSpec", "StatusWriter", "get_policy"]
 
 log = logging.getLogger("strata.operator.cluster")
 
@@ -193,44 +199,175 @@ class StatusWriter:
         return True
 
 
-def post_event(
-    core_api: Any, obj: Mapping[str, Any], event: EventSpec, *, now: datetime | None = None
-) -> None:
-    """Create a core/v1 Event about ``obj`` (kubectl describe lists it); errors are logged only.
+EVENT_NOTE_BYTES = 1024
+"""Longest ``note`` (message) of an events.k8s.io/v1 Event, in bytes (apiserver validation)."""
+EVENT_SERIES_CACHE = 4096
+"""Event series remembered (least recently seen dropped first); a forgotten one starts anew."""
 
-    ``core_api``: a ``kubernetes.client.CoreV1Api``; ``obj``: the involved object as a dict
-    (``apiVersion``, ``kind``, ``metadata`` with name, namespace, uid).
+_EventKey = tuple[str, ...]
+
+
+@dataclass
+class _Series:
+    name: str
+    namespace: str
+    count: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class EventRecorder:
+    """Posts events.k8s.io/v1 Events about objects, aggregating repeats into a series.
+
+    The first occurrence of an Event (same object, type, reason, action and message) creates one;
+    each repeat PATCHes that Event's ``series`` (``count`` 2, 3, ... and ``lastObservedTime``), so
+    ``kubectl describe`` shows ``(x3 over 10m)`` and the namespace holds one Event instead of one
+    per occurrence. These are the semantics of client-go's events.k8s.io recorder
+    (``k8s.io/client-go/tools/events``), except that every repeat is written at once rather than on
+    a 30-minute heartbeat: the operator's Events are state changes, not a stream. A series lasts
+    as long as this process remembers it (:data:`EVENT_SERIES_CACHE`) and the apiserver keeps the
+    Event (``--event-ttl``, 1 h by default): when the PATCH finds it gone, that occurrence creates
+    a new Event.
+
+    Why not a library's recorder: ``kopf.event`` creates a new core/v1 Event per call (kopf's
+    ``post_event`` says aggregation "should be done by the client library") and is made for kopf's
+    handlers (it queues into the operator's context), while the report receiver posts from its own
+    HTTP server; the Kubernetes Python client has no recorder, so its ``EventsV1Api`` does the
+    writes here. Read through core/v1, these Events carry ``series`` but no ``count``,
+    ``firstTimestamp``, ``lastTimestamp`` or ``source`` (events.k8s.io/v1 refuses those on create);
+    ``kubectl describe`` shows the series ("x3 over 10m") and ``reportingController`` as "From".
+
+    ``api_client``: a ``kubernetes.client.ApiClient`` (None: the default one); ``events_api``: the
+    ``kubernetes.client.EventsV1Api`` to write with (None: one on ``api_client``). ``action``: the
+    ``action`` of Events whose :class:`EventSpec` gives none (``Reconcile``); ``instance``: the
+    ``reportingInstance`` (None: ``strata-operator-<hostname>``, the pod's name in a pod). Errors
+    are logged, never raised: an Event is advice, not state. Thread-safe.
     """
-    from kubernetes.client.exceptions import ApiException
 
-    meta = obj.get("metadata") or {}
-    stamp = c.format_time(now or datetime.now(UTC))
-    body = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {
-            "generateName": f"{meta.get('name', 'strata')[:200]}.",
-            "namespace": meta.get("namespace"),
-        },
-        "involvedObject": {
-            "apiVersion": obj.get("apiVersion"),
-            "kind": obj.get("kind"),
-            "name": meta.get("name"),
-            "namespace": meta.get("namespace"),
-            "uid": meta.get("uid"),
-            "resourceVersion": meta.get("resourceVersion"),
-        },
-        "reason": event.reason,
-        "message": event.message[:1024],
-        "type": event.type,
-        "source": {"component": COMPONENT},
-        "reportingComponent": COMPONENT,
-        "reportingInstance": COMPONENT,
-        "firstTimestamp": stamp,
-        "lastTimestamp": stamp,
-        "count": 1,
-    }
-    try:
-        core_api.create_namespaced_event(meta.get("namespace"), body, _request_timeout=10)
-    except (ApiException, OSError) as exc:
-        log.warning("could not post event %s on %s: %s", event.reason, meta.get("name"), exc)
+    def __init__(
+        self,
+        api_client: Any = None,
+        *,
+        action: str,
+        events_api: Any = None,
+        instance: str | None = None,
+        timeout: float = 10.0,
+        cache_size: int = EVENT_SERIES_CACHE,
+    ) -> None:
+        from kubernetes import client
+
+        # Bodies are dicts, as in the other writers here.
+        self._api: Any = events_api or client.EventsV1Api(api_client)
+        self._action = action
+        self._instance = (instance or f"{COMPONENT}-{socket.gethostname()}")[:128]
+        self._timeout = timeout
+        self._cache_size = cache_size
+        self._series: OrderedDict[_EventKey, _Series] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def post(
+        self, obj: Mapping[str, Any], event: EventSpec, *, now: datetime | None = None
+    ) -> None:
+        """Record ``event`` about ``obj`` (a dict with ``apiVersion``, ``kind``, ``metadata`` with
+        name, namespace, uid): a new Event, or one more in the series of an equal one."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        meta = obj.get("metadata") or {}
+        namespace = str(meta.get("namespace") or "default")
+        note = event.message.encode()[:EVENT_NOTE_BYTES].decode(errors="ignore")
+        action = event.action or self._action
+        key: _EventKey = (
+            str(obj.get("apiVersion")),
+            str(obj.get("kind")),
+            namespace,
+            str(meta.get("name")),
+            str(meta.get("uid")),
+            event.type,
+            event.reason,
+            action,
+            note,
+        )
+        stamp = _micro_time(now or datetime.now(UTC))
+        series = self._remember(key)
+        try:
+            with series.lock:
+                if series.name and self._add_to_series(series, stamp):
+                    return
+                body = {
+                    "apiVersion": "events.k8s.io/v1",
+                    "kind": "Event",
+                    "metadata": {"name": _event_name(meta, now), "namespace": namespace},
+                    "eventTime": stamp,
+                    "reportingController": COMPONENT,
+                    "reportingInstance": self._instance,
+                    "action": action[:128],
+                    "reason": event.reason[:128],
+                    "type": event.type,
+                    "note": note,
+                    "regarding": {
+                        "apiVersion": obj.get("apiVersion"),
+                        "kind": obj.get("kind"),
+                        "name": meta.get("name"),
+                        "namespace": namespace,
+                        "uid": meta.get("uid"),
+                        "resourceVersion": meta.get("resourceVersion"),
+                    },
+                }
+                resp = self._api.create_namespaced_event(
+                    namespace,
+                    body,
+                    field_manager=FIELD_MANAGER,
+                    _preload_content=False,
+                    _request_timeout=self._timeout,
+                )
+                created = json.loads(resp.data)
+                series.name = str(created["metadata"]["name"])
+                series.namespace = namespace
+                series.count = 1
+        except (ApiException, OSError, HTTPError, ValueError, KeyError) as exc:
+            log.warning("could not post event %s on %s: %s", event.reason, meta.get("name"), exc)
+
+    def _remember(self, key: _EventKey) -> _Series:
+        with self._lock:
+            series = self._series.get(key)
+            if series is None:
+                series = self._series[key] = _Series(name="", namespace="", count=0)
+            self._series.move_to_end(key)
+            while len(self._series) > self._cache_size:
+                self._series.popitem(last=False)
+            return series
+
+    def _add_to_series(self, series: _Series, stamp: str) -> bool:
+        """PATCH one more occurrence into the series' Event; False when the Event is gone."""
+        from kubernetes.client.exceptions import ApiException
+
+        count = series.count + 1
+        try:
+            self._api.patch_namespaced_event(
+                series.name,
+                series.namespace,
+                {"series": {"count": count, "lastObservedTime": stamp}},
+                field_manager=FIELD_MANAGER,
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+        except ApiException as exc:
+            if exc.status == 404:  # expired (--event-ttl) or deleted: start a new Event
+                series.name = ""
+                return False
+            raise
+        series.count = count
+        return True
+
+
+def _event_name(meta: Mapping[str, Any], now: datetime | None) -> str:
+    """``<object name>.<hex nanoseconds><hex random>``: client-go's Event name, and a DNS subdomain
+    as events.k8s.io/v1 requires (it refuses a ``generateName`` ending in ``.``)."""
+    when = (now or datetime.now(UTC)).timestamp()
+    return f"{str(meta.get('name') or 'strata')[:200]}.{int(when * 1e9):x}{secrets.token_hex(2)}"
+
+
+def _micro_time(when: datetime) -> str:
+    """A ``metav1.MicroTime``: RFC 3339 in UTC with microseconds."""
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

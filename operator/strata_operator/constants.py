@@ -161,7 +161,13 @@ FINALIZER: Final = "strata.dev/finalizer"
 """Configured so kopf never uses its own name; no handler makes kopf add it (C-13)."""
 FIELD_MANAGER: Final = "strata-operator"
 COMPONENT: Final = "strata-operator"
-"""``source.component`` / ``reportingComponent`` of the Events the operator posts."""
+"""``reportingController`` of the Events the operator posts (``kubectl describe``'s "From")."""
+ACTION_RECONCILE: Final = "Reconcile"
+"""``action`` of the reconcile's Events (a Ready change)."""
+ACTION_FOLD_REPORT: Final = "FoldReport"
+"""``action`` of the report receiver's Events (restores, tier failures, flush estimates)."""
+ACTION_CHECK_POD: Final = "CheckPod"
+"""``action`` of the Events about a labelled pod that runs without the sidecar."""
 
 # --- peer tier (docs/peers.md) ------------------------------------------------------
 

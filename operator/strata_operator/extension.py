@@ -47,6 +47,10 @@ class Extension(Protocol):
 
     name: str
     """Short name for logs and errors (``reconcile``, ``webhook``, ``reports``)."""
+    leader_only: bool
+    """With ``--leader-elect``: whether the role runs only on the replica holding the Lease
+    (it writes policies: reconcile, reports) or on every replica (admission);
+    :mod:`strata_operator.leadership`."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add this role's flags (an argument group of its own)."""

@@ -17,25 +17,35 @@ deleting a namespace must never wait for the operator); kopf's own log lines are
 Events (only CRITICAL ones), so a policy waiting for its PVC does not collect an Event per retry.
 Pods: kopf watches only pods labelled ``strata.dev/policy`` (a server-side label selector), so
 the operator's memory does not grow with the cluster's other pods.
+
+Replicas (``--leader-elect``, :mod:`strata_operator.leadership`): the roles whose ``leader_only``
+is true (reconcile, reports) register into a second registry that a second kopf operator runs only
+while this replica holds the Lease; the others (admission) and the election itself stay in the
+first, which every replica runs. Without the flag (one replica, the local e2e operator) every role
+is in the one registry, as before.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import ipaddress
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
+import threading
+import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import kopf
 
-from strata_operator import certs
+from strata_operator import certs, leadership
 from strata_operator.admission.webhook import Webhook
 from strata_operator.constants import FINALIZER, PERSISTENCE_PREFIX, POLICY_LABEL
 from strata_operator.extension import Extension, ReportEndpoint, Wiring
@@ -157,6 +167,49 @@ def build_parser(extensions: Sequence[Extension] | None = None) -> argparse.Argu
         default=[],
         help="extra DNS name or IP for the generated certificate (repeatable)",
     )
+    election = parser.add_argument_group("leader election (several replicas)")
+    election.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="run the reconcile and the report receiver only while holding a Lease, so that "
+        "several replicas can serve the webhook (default: off, one replica does everything)",
+    )
+    election.add_argument(
+        "--leader-election-namespace",
+        default=os.environ.get("POD_NAMESPACE"),
+        help="namespace of the Lease (default $POD_NAMESPACE, else --operator-namespace)",
+    )
+    election.add_argument(
+        "--leader-election-name", default="strata-operator", help="name of the Lease"
+    )
+    election.add_argument(
+        "--leader-election-identity",
+        default=os.environ.get("POD_NAME"),
+        help="this replica's holderIdentity (default $POD_NAME, else host_pid_random)",
+    )
+    timing = leadership.ElectionTiming()
+    election.add_argument(
+        "--lease-duration",
+        type=int,
+        default=timing.lease_duration,
+        metavar="SECONDS",
+        help="a standby takes the Lease this long after the leader's last renewal "
+        "(default %(default)s, client-go's)",
+    )
+    election.add_argument(
+        "--renew-deadline",
+        type=int,
+        default=timing.renew_deadline,
+        metavar="SECONDS",
+        help="the leader stops leading when it could not renew for this long (default %(default)s)",
+    )
+    election.add_argument(
+        "--retry-period",
+        type=int,
+        default=timing.retry_period,
+        metavar="SECONDS",
+        help="seconds between renewals and between a standby's tries (default %(default)s)",
+    )
     for ext in default_extensions() if extensions is None else extensions:
         ext.add_arguments(parser)
     return parser
@@ -208,19 +261,155 @@ def use_kubeconfig(path: str) -> None:
             setattr(module, "KUBE_CONFIG_DEFAULT_LOCATION", path)  # noqa: B010
 
 
+def _base_registry() -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    # kopf's implicit default registry logs in this way; an explicit registry says so itself.
+    kopf.on.login(id="login_via_client", registry=registry)(kopf.login_via_client)
+    kopf.on.startup(id="tune_kopf", registry=registry)(tune_kopf)
+    return registry
+
+
 def build_registry(
     args: argparse.Namespace, wiring: Wiring, extensions: Sequence[Extension]
 ) -> kopf.OperatorRegistry:
     """A fresh kopf registry holding the operator's own handlers (login through the kubernetes
     client's configuration, :func:`tune_kopf`) and, after configuring each, every extension's."""
-    registry = kopf.OperatorRegistry()
-    # kopf's implicit default registry logs in this way; an explicit registry says so itself.
-    kopf.on.login(id="login_via_client", registry=registry)(kopf.login_via_client)
-    kopf.on.startup(id="tune_kopf", registry=registry)(tune_kopf)
+    registry = _base_registry()
     for ext in extensions:
         ext.configure(args, wiring)
         ext.register(registry)
     return registry
+
+
+def build_registries(
+    args: argparse.Namespace, wiring: Wiring, extensions: Sequence[Extension]
+) -> tuple[kopf.OperatorRegistry, kopf.OperatorRegistry]:
+    """With ``--leader-elect``: (the registry every replica runs, the leader's registry). Each
+    holds the operator's own handlers; every extension is configured, in list order, and
+    registers into the leader's registry when it is ``leader_only``, else into the first."""
+    everyone, leader = _base_registry(), _base_registry()
+    for ext in extensions:
+        ext.configure(args, wiring)
+        ext.register(leader if getattr(ext, "leader_only", False) else everyone)
+    return everyone, leader
+
+
+def election_identity(args: argparse.Namespace) -> str:
+    """``--leader-election-identity``, else ``<host>_<pid>_<random>`` (unique per process)."""
+    if args.leader_election_identity:
+        return str(args.leader_election_identity)
+    return f"{socket.gethostname()}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+
+
+def run_until(stop: threading.Event, **kwargs: Any) -> None:
+    """``kopf.operator(**kwargs)`` in a new event loop until SIGINT/SIGTERM (in the main thread)
+    or ``stop``. kopf itself would wait for a ``threading.Event`` (or a concurrent future) on a
+    thread of the loop's default executor and then wait for that thread at exit, forever; here a
+    daemon thread of our own relays it into an asyncio future."""
+    import asyncio
+
+    async def operate() -> None:
+        loop = asyncio.get_running_loop()
+        stopped: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not stopped.done():
+                stopped.set_result(None)
+
+        def relay() -> None:
+            stop.wait()
+            loop.call_soon_threadsafe(wake)
+
+        threading.Thread(target=relay, name="strata-stop-relay", daemon=True).start()
+        await kopf.operator(stop_flag=stopped, **kwargs)
+
+    with contextlib.suppress(asyncio.CancelledError):  # as kopf.run
+        asyncio.run(operate())
+
+
+class ElectedOperator:
+    """The leader's kopf operator, run by a :class:`strata_operator.leadership.LeaderElector`
+    while this replica holds the Lease; started and stopped by the first registry's startup and
+    cleanup handlers."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        registry: kopf.OperatorRegistry,
+        process_stop: threading.Event,
+    ) -> None:
+        self.args = args
+        self.registry = registry
+        self.process_stop = process_stop
+        self.failed = False
+        namespace = args.leader_election_namespace or args.operator_namespace
+        self.pod = os.environ.get("POD_NAME") if os.environ.get("POD_NAMESPACE") else None
+        self.pod_namespace = os.environ.get("POD_NAMESPACE")
+        self.elector = leadership.LeaderElector(
+            namespace=namespace,
+            name=args.leader_election_name,
+            identity=election_identity(args),
+            timing=leadership.ElectionTiming(
+                lease_duration=args.lease_duration,
+                renew_deadline=args.renew_deadline,
+                retry_period=args.retry_period,
+            ),
+            lead=self.lead,
+            on_failure=self.fail,
+            on_change=self.label,
+        )
+
+    def lead(self, stop: threading.Event) -> None:
+        """Run the leader's kopf operator until ``stop`` (in the election's thread)."""
+        namespaces = tuple(self.args.namespace)
+        run_until(
+            stop,
+            registry=self.registry,
+            standalone=True,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            memo=kopf.Memo(),
+        )
+
+    def fail(self) -> None:
+        self.failed = True
+        self.process_stop.set()
+
+    def label(self, leading: bool) -> None:
+        """The pod's role label (the reports Service selects the leader); only in a pod."""
+        if self.pod is None or self.pod_namespace is None:
+            return
+        from kubernetes import client
+
+        role = leadership.LEADER if leading else leadership.STANDBY
+        leadership.label_own_pod(client.CoreV1Api(), self.pod_namespace, self.pod, role)
+
+    async def start(self, **_: Any) -> None:
+        """kopf startup handler: mark the pod standby (a restarted container keeps its labels),
+        then campaign."""
+        import asyncio
+
+        try:
+            await asyncio.to_thread(self.label, False)
+        except Exception as exc:  # the label only steers reports
+            logging.getLogger("strata.leadership").warning("could not label the pod: %s", exc)
+        self.elector.start()
+
+    async def stop(self, **_: Any) -> None:
+        """kopf cleanup handler: label the pod standby (the reports Service stops selecting it
+        before the Lease's next holder labels itself leader), then stop leading and release the
+        Lease."""
+        import asyncio
+
+        try:
+            await asyncio.to_thread(self.label, False)
+        except Exception as exc:  # the label only steers reports
+            logging.getLogger("strata.leadership").warning("could not label the pod: %s", exc)
+        await asyncio.to_thread(self.elector.stop)
+
+    def register(self, registry: kopf.OperatorRegistry) -> None:
+        kopf.on.startup(id="start_leader_election", registry=registry)(self.start)
+        kopf.on.cleanup(id="stop_leader_election", registry=registry)(self.stop)
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -234,9 +423,25 @@ def run(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_format, verbose=args.verbose, debug=args.debug)
     config.load_config()  # type: ignore[no-untyped-call]
     wiring = build_wiring(args)
-    registry = build_registry(args, wiring, extensions)
     namespaces = tuple(args.namespace)
-    kopf.run(
+    if not args.leader_elect:
+        kopf.run(
+            registry=build_registry(args, wiring, extensions),
+            standalone=True,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=args.liveness,
+            memo=kopf.Memo(),
+        )
+        return 0
+    registry, leader_registry = build_registries(args, wiring, extensions)
+    try:
+        elected = ElectedOperator(args, leader_registry, threading.Event())
+    except ValueError as err:  # lease timings that cannot work together
+        raise SystemExit(f"strata operator: {err}") from None
+    elected.register(registry)
+    run_until(
+        elected.process_stop,
         registry=registry,
         standalone=True,
         clusterwide=not namespaces,
@@ -244,4 +449,4 @@ def run(argv: Sequence[str] | None = None) -> int:
         liveness_endpoint=args.liveness,
         memo=kopf.Memo(),
     )
-    return 0
+    return 1 if elected.failed else 0

@@ -92,7 +92,20 @@ class RamTierConfig(_Frozen):
     every: Interval = Interval(steps=1)
 
 
-class PvcTierConfig(_Frozen):
+class DurableTierConfig(_Frozen):
+    """What the durable tiers (PVC, GCS) share: which parts of the state they keep and whether
+    they store incremental copies."""
+
+    components: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
+    """Archive tier: keep only these top-level components of the state (e.g.
+    ``("model",)``); its steps are archive-only: listed, verified and exported, never used to
+    resume training. None: everything (a tier that restores can use)."""
+    incremental: bool = True
+    """Store a shard whose chunks mostly equal the newest full shard of the same rank here as an
+    incremental copy that references them."""
+
+
+class PvcTierConfig(DurableTierConfig):
     """Shared-filesystem tier (PVC: Filestore, Lustre, NFS) mounted at ``path``."""
 
     path: str = DEFAULT_PVC_DIR
@@ -100,29 +113,15 @@ class PvcTierConfig(_Frozen):
     sub_path: str | None = None
     keep: Annotated[int, Field(ge=1)] = 2
     every: Interval = Interval(steps=100)
-    components: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
-    """Archive tier: keep only these top-level components of the state (e.g.
-    ``("model",)``); its steps are archive-only: listed, verified and exported, never used to
-    resume training. None: everything (a tier that restores can use)."""
-    incremental: bool = True
-    """Store a shard whose chunks mostly equal the newest full shard of the same rank here as an
-    incremental copy that references them."""
 
 
-class GcsTierConfig(_Frozen):
+class GcsTierConfig(DurableTierConfig):
     """Google Cloud Storage tier: ``gs://<bucket>/<prefix>/<job id>/steps/...``."""
 
     bucket: Annotated[str, Field(min_length=3, max_length=222)]
     prefix: str = ""
     keep: Annotated[int, Field(ge=1)] = 3
     every: Interval = Interval(steps=1000)
-    components: tuple[Annotated[str, Field(min_length=1)], ...] | None = None
-    """Archive tier: keep only these top-level components of the state (e.g.
-    ``("model",)``); its steps are archive-only: listed, verified and exported, never used to
-    resume training. None: everything (a tier that restores can use)."""
-    incremental: bool = True
-    """Store a shard whose chunks mostly equal the newest full shard of the same rank here as an
-    incremental copy that references them."""
     endpoint: str | None = None
     """API endpoint override (fake-gcs-server); default: the real service or STORAGE_EMULATOR_HOST."""
     chunk_size_bytes: Annotated[int, Field(ge=256 * 1024)] = 32 * 1024 * 1024

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import logging
 import os
 import signal
 import subprocess
@@ -698,6 +699,33 @@ def test_a_shard_over_8_mib_goes_up_in_one_streamed_request_from_a_longer_slot_f
     assert stored.metadata[META_WRITER] == WRITER
     with _streaming_tier(gcs_emulator, gcs_bucket, False) as tier:
         tier.fetch_shard(JOB, 4, 0, tmp_path / "back.bin")
+    assert (tmp_path / "back.bin").read_bytes() == data
+
+
+def test_a_streamed_upload_whose_answer_is_lost_is_retried_in_a_new_session(
+    gcs_emulator: GcsEmulator,
+    admin: storage.Client,
+    gcs_bucket: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The data PUT lands but the connection drops before its answer: upload_range's retry
+    (tenacity, 1 s later) opens a new session; the object is there (412), its CRC32C matches, so
+    put_shard goes on and commits."""
+    path, manifest, data = make_shard(tmp_path, job_id=JOB, step=7, nbytes=STREAMED)
+    proxy = _FaultProxy(gcs_emulator.endpoint, drop_first="upload_id=", via_proxy=True)
+    with (
+        caplog.at_level(logging.INFO, logger="strata.tiers.gcs.stream"),
+        proxy,
+        _streaming_tier(gcs_emulator, gcs_bucket, False, proxy.endpoint) as tier,
+    ):
+        assert tier.put_shard(JOB, 7, 0, path, manifest) == STREAMED
+    assert proxy.dropped == 1
+    assert f"{layout.data_key(JOB, 7, 0)} failed" in caplog.text and "retrying" in caplog.text
+    sessions = [p for m, p, _ in proxy.seen if m == "POST" and "uploadType=resumable" in p]
+    assert len(sessions) >= 2, proxy.seen  # the first session's PUT, then a retry
+    with _streaming_tier(gcs_emulator, gcs_bucket, False) as tier:
+        tier.fetch_shard(JOB, 7, 0, tmp_path / "back.bin")
     assert (tmp_path / "back.bin").read_bytes() == data
 
 

@@ -92,3 +92,25 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{ $key }}: {{ $value | toString | quote }}
 {{- end }}
 {{- end }}
+
+{{/* Whether the replicas share a Helm-generated serving certificate (several replicas, no
+cert-manager). */}}
+{{- define "strata.chartTLS" -}}
+{{- if and (not .Values.certManager.enabled) (gt (int .Values.replicaCount) 1) }}true{{ end }}
+{{- end }}
+
+{{/* The Service the sidecars send reports to: it selects only the leader (strata.dev/operator-role). */}}
+{{- define "strata.reportsServiceName" -}}
+{{- printf "%s-reports" (include "strata.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{/* DNS names of the serving certificate: the webhook's and the reports' Services. */}}
+{{- define "strata.tlsDNSNames" -}}
+{{- $ns := .Release.Namespace }}
+{{- $names := list }}
+{{- range (list (include "strata.fullname" .) (include "strata.reportsServiceName" .)) }}
+{{- $names = append $names (printf "%s.%s.svc" . $ns) }}
+{{- $names = append $names (printf "%s.%s.svc.cluster.local" . $ns) }}
+{{- end }}
+{{- $names | toJson }}
+{{- end }}

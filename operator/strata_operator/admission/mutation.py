@@ -72,7 +72,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import ROUND_CEILING, Decimal
+from decimal import Decimal
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -93,7 +93,7 @@ from strata_operator.api import (
     DEFAULT_SIDECAR_IMAGE,
     CheckpointPolicySpec,
 )
-from strata_operator.api.validation import parse_quantity, quantity_bytes
+from strata_operator.api.validation import format_quantity, parse_quantity, quantity_bytes
 from strata_operator.constants import (
     CA_FILE,
     INJECTED_ANNOTATION,
@@ -170,10 +170,10 @@ def escape_pointer(token: str) -> str:
 
 def format_bytes(n: int) -> str:
     """Bytes as the shortest exact binary quantity (``1073741824`` -> ``"1Gi"``)."""
-    for suffix, size in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
-        if n and n % size == 0:
-            return f"{n // size}{suffix}"
-    return str(n)
+    for suffix in ("Ti", "Gi", "Mi", "Ki"):
+        if n and n % quantity_bytes(f"1{suffix}") == 0:
+            return format_quantity(n, suffix)
+    return format_quantity(n)
 
 
 def _as_plain(obj: Any) -> Any:
@@ -605,10 +605,8 @@ def _sidecar_container(
 
 
 def _format_quantity(value: Decimal) -> str:
-    """A quantity value as the shortest exact string: whole numbers plain, else millis."""
-    if value == value.to_integral_value():
-        return str(int(value))
-    return f"{int((value * 1000).to_integral_value(rounding=ROUND_CEILING))}m"
+    """A quantity value as a short string: whole numbers plain, else millis rounded up."""
+    return format_quantity(value, "" if value == value.to_integral_value() else "m")
 
 
 def _pod_level_resources(spec: Mapping[str, Any], sidecar: Mapping[str, Any]) -> list[JSONPatchOp]:

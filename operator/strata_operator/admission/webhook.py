@@ -347,6 +347,8 @@ class Webhook:
     configuration. Its run-time state is :attr:`state` (set by :meth:`configure`)."""
 
     name = "webhook"
+    leader_only = False
+    """Runs on every replica: admission is stateless, each replica has its own policy cache."""
 
     def __init__(self, state: WebhookState | None = None) -> None:
         self.state = state

@@ -14,6 +14,11 @@ names and the request/limit rules follow ``k8s.io/kubernetes/pkg/apis/core/valid
 https://cloud.google.com/storage/docs/objects#naming; image references follow the OCI
 distribution reference grammar (``reference.go`` of distribution/reference).
 
+The values are computed by libraries, these functions being thin wrappers that keep the
+apiserver's syntax and Strata's bounds and messages: quantities by ``kubernetes.utils.quantity``
+(``parse_quantity``/``format_quantity``; pure ``Decimal`` code, the only import of the Kubernetes
+client package here), durations by ``durationpy`` (what the client uses for them).
+
 Bounds keep every field derived from a value valid: ``sizeLimit`` <= :data:`MAX_SIZE_LIMIT` keeps
 the sidecar's memory limit and the startupProbe's ``failureThreshold`` (seconds per GiB) far below
 int32/int64 limits.
@@ -22,9 +27,13 @@ int32/int64 limits.
 from __future__ import annotations
 
 import re
-from decimal import ROUND_CEILING, Decimal, DecimalException
+from datetime import timedelta
+from decimal import ROUND_CEILING, Decimal, DecimalException, localcontext
 from typing import Annotated, Any, Final
 
+import durationpy
+from kubernetes.utils.quantity import format_quantity as _k8s_format_quantity
+from kubernetes.utils.quantity import parse_quantity as _k8s_parse_quantity
 from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema
 
 # --- quantities -------------------------------------------------------------------------------
@@ -35,27 +44,8 @@ QUANTITY_PATTERN: Final = (
 )
 """The pattern the apiserver's OpenAPI uses for ``resource.Quantity`` (k8s.io/apimachinery)."""
 _QUANTITY_RE = re.compile(QUANTITY_PATTERN)
-_NUMBER_RE = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(.*)$")
-_SUFFIX: Final[dict[str, Decimal]] = {
-    "": Decimal(1),
-    "n": Decimal("1e-9"),
-    "u": Decimal("1e-6"),
-    "m": Decimal("1e-3"),
-    "k": Decimal(10) ** 3,
-    "M": Decimal(10) ** 6,
-    "G": Decimal(10) ** 9,
-    "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15,
-    "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10,
-    "Mi": Decimal(2) ** 20,
-    "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50,
-    "Ei": Decimal(2) ** 60,
-}
 _MAX_EXPONENT: Final = 1000
-"""|exponent| beyond which a quantity is refused outright (no resource needs 10^1000)."""
+"""|decimal exponent| beyond which a quantity is refused outright (no resource needs 10^1000)."""
 
 MAX_SIZE_LIMIT: Final = "32Ti"
 """Largest RAM tier: the largest machines offered have 32 TiB of memory."""
@@ -74,28 +64,49 @@ def parse_quantity(value: str) -> Decimal:
     """Value of a Kubernetes quantity (``"16Gi"`` -> 17179869184, ``"2E"`` -> 2*10^18).
 
     ValueError (never another exception) when ``value`` is not a quantity the apiserver parses.
+    The apiserver's pattern (:data:`QUANTITY_PATTERN`) decides the syntax, since
+    ``kubernetes.utils.parse_quantity`` (which computes the value) also takes what ``Decimal``
+    takes (``Infinity``, ``1_000``, ``1K``); an exponent above :data:`_MAX_EXPONENT` is refused.
     """
     text = str(value).strip()
     if not _QUANTITY_RE.match(text):
         raise ValueError(
             f"{value!r} is not a Kubernetes quantity; write e.g. 512Mi, 16Gi, 500m or 1000000000"
         )
-    match = _NUMBER_RE.match(text)
-    assert match is not None  # the full pattern matched above
-    number, suffix = match.group(1), match.group(2)
     try:
-        if suffix in _SUFFIX:  # "E" alone is exa, not an exponent (apimachinery checks it first)
-            return Decimal(number) * _SUFFIX[suffix]
-        exponent = suffix[1:]
-        if not re.fullmatch(r"[+-]?[0-9]+", exponent):
+        number: Decimal = _k8s_parse_quantity(text)  # type: ignore[no-untyped-call]
+    except (ValueError, DecimalException):
+        # The pattern admits a fractional exponent ("1e1.5"); ParseQuantity refuses it.
+        raise ValueError(
+            f"{value!r}: the exponent of a quantity must be a whole number (e.g. 1e9)"
+        ) from None
+    exponent = number.as_tuple().exponent
+    if not isinstance(exponent, int) or max(abs(exponent), abs(number.adjusted())) > _MAX_EXPONENT:
+        raise ValueError(f"{value!r} is out of range; write a value like 16Gi")
+    return number
+
+
+def format_quantity(value: Decimal | int, suffix: str = "") -> str:
+    """``value`` as a quantity in whole units of ``suffix``, rounded up to the next unit
+    (``Decimal("1.3505"), "m"`` -> ``"1351m"``; ``2**31, "Gi"`` -> ``"2Gi"``; ``1000`` ->
+    ``"1000"``), written by ``kubernetes.utils.format_quantity``.
+
+    Rounded up because a request written smaller than the sum it stands for is refused by the
+    apiserver (pod-level requests >= the containers'). ValueError on an unknown suffix or a value
+    that is not finite.
+    """
+    with localcontext() as ctx:
+        ctx.prec = 64  # int64 bytes or millicores, and the digits below them, stay exact
+        ctx.rounding = ROUND_CEILING
+        try:
+            if suffix:
+                return str(_k8s_format_quantity(Decimal(value), suffix, quantize=Decimal(1)))
+            # format_quantity only quantizes with a suffix; a whole number is written plainly.
+            return str(_k8s_format_quantity(Decimal(value).quantize(Decimal(1)), ""))
+        except (ValueError, DecimalException):
             raise ValueError(
-                f"{value!r}: the exponent of a quantity must be a whole number (e.g. 1e9)"
-            )
-        if abs(int(exponent)) > _MAX_EXPONENT:
-            raise ValueError(f"{value!r} is out of range; write a value like 16Gi")
-        return Decimal(number).scaleb(int(exponent))
-    except DecimalException:  # pragma: no cover - the checks above keep Decimal in range
-        raise ValueError(f"{value!r} is out of range; write a value like 16Gi") from None
+                f"{value!r} cannot be written as a Kubernetes quantity in {suffix or 'units'}"
+            ) from None
 
 
 def quantity_bytes(value: str) -> int:
@@ -165,35 +176,33 @@ SizeLimit = Annotated[
 
 DURATION_PATTERN: Final = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|μs|ms|s|m|h))+$"
 """Go ``time.ParseDuration`` syntax without sign (``90s``, ``15m``, ``1h30m``), as CEL's duration()."""
-_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|µs|μs|ms|s|m|h)")
-_DURATION_NS: Final[dict[str, Decimal]] = {
-    "ns": Decimal(1),
-    "us": Decimal(10**3),
-    "µs": Decimal(10**3),
-    "μs": Decimal(10**3),
-    "ms": Decimal(10**6),
-    "s": Decimal(10**9),
-    "m": Decimal(60 * 10**9),
-    "h": Decimal(3600 * 10**9),
-}
+_DURATION_RE = re.compile(DURATION_PATTERN)
 MAX_DURATION_NS: Final = 2**63 - 1
 """Go's ``time.Duration`` is an int64 of nanoseconds: at most 2562047h47m16.854775807s."""
+_MAX_DURATION: Final = timedelta(microseconds=-(-MAX_DURATION_NS // 1000))
+""":data:`MAX_DURATION_NS` rounded up to durationpy's resolution (a microsecond)."""
+_DURATION_RANGE_MESSAGE: Final = "is out of range: at most 2562047h (about 292 years)"
 
 
 def parse_duration(value: str) -> float:
-    """Seconds of a Go duration string (``"1h30m"`` -> 5400.0).
+    """Seconds of a Go duration string (``"1h30m"`` -> 5400.0), to the microsecond.
 
-    ValueError when malformed or when Go would overflow (more than 2562047h47m16s).
+    ValueError when malformed or when Go would overflow (more than 2562047h47m16s). The syntax
+    is :data:`DURATION_PATTERN` (what CEL's ``duration()`` takes): ``durationpy``, which computes
+    the value, also takes a sign and Go-foreign units (``d``, ``w``, ``y``). durationpy sums in
+    float nanoseconds and rounds to a ``timedelta`` (microseconds), so the bounds here hold to
+    about a microsecond: ``999999999ns`` counts as 1s, and the overflow bound may let a value up
+    to a microsecond above Go's pass (the apiserver's CEL, exact, still refuses it on create).
     """
-    if not re.match(DURATION_PATTERN, value):
+    if not _DURATION_RE.match(value):
         raise ValueError(f"{value!r} is not a duration; write e.g. 90s, 15m or 1h30m")
-    parts = _DURATION_PART.findall(value)
-    if any(len(n.split(".")[0]) > 30 for n, _ in parts):
-        raise ValueError(f"duration {value!r} is out of range: at most 2562047h (about 292 years)")
-    ns = sum((Decimal(n) * _DURATION_NS[u] for n, u in parts), Decimal(0))
-    if ns > MAX_DURATION_NS:
-        raise ValueError(f"duration {value!r} is out of range: at most 2562047h (about 292 years)")
-    return float(ns / Decimal(10**9))
+    try:
+        delta = durationpy.from_str(value)
+    except (ValueError, OverflowError):  # beyond timedelta's 999999999 days, or float infinity
+        raise ValueError(f"duration {value!r} {_DURATION_RANGE_MESSAGE}") from None
+    if delta > _MAX_DURATION:
+        raise ValueError(f"duration {value!r} {_DURATION_RANGE_MESSAGE}")
+    return delta.total_seconds()
 
 
 def _check_duration(value: str) -> str:

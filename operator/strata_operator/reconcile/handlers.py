@@ -4,7 +4,8 @@ Reconcile (create, update, resume): parse the spec, gather facts (namespace, PVC
 bucket), decide the conditions (:mod:`strata_operator.reconcile.policy`), write them with ONE
 status patch (:meth:`strata_operator.cluster.StatusWriter.write_conditions`; ``status.jobs``
 belongs to the report receiver and is left alone), then post the Event of a Ready change
-(:func:`strata_operator.cluster.post_event`) — only after the patch succeeded, and only when the
+(:class:`strata_operator.cluster.EventRecorder`, which aggregates a repeat into the first Event's
+series) — only after the patch succeeded, and only when the
 Ready condition changed or the spec generation did. Domain errors become ``kopf.PermanentError``
 (only a spec change helps) or ``kopf.TemporaryError(delay=...)`` (a dependency may appear) here,
 at the handler boundary, and nowhere else.
@@ -34,10 +35,10 @@ from strata_operator import constants as k
 from strata_operator.api import conditions as c
 from strata_operator.cluster import (
     ClusterWriteFailed,
+    EventRecorder,
     EventSpec,
     StatusWriter,
     get_policy,
-    post_event,
 )
 from strata_operator.extension import Wiring
 from strata_operator.reconcile.dependencies import PVC, SECRET, DependencyIndex, Kind
@@ -83,6 +84,8 @@ class Clients:
     """``kubernetes.client.CoreV1Api``: namespaces, PVCs, Secrets, Events."""
     custom: Any
     """``kubernetes.client.CustomObjectsApi``: CheckpointPolicies."""
+    events: EventRecorder
+    """Events on policies (a Ready change)."""
 
 
 Emit = Callable[[str, str, str], None]
@@ -117,6 +120,8 @@ class PolicyReconciler:
     """
 
     name = "reconcile"
+    leader_only = True
+    """Runs only on the replica holding the Lease (``--leader-elect``): it writes policies."""
 
     def __init__(self, options: Options | None = None, clients: Clients | None = None) -> None:
         self.options = options or Options()
@@ -158,7 +163,11 @@ class PolicyReconciler:
             check_bucket=not args.no_bucket_check,
             watch_secrets=args.watch_secrets,
         )
-        self.clients = Clients(core_v1=client.CoreV1Api(), custom=client.CustomObjectsApi())
+        self.clients = Clients(
+            core_v1=client.CoreV1Api(),
+            custom=client.CustomObjectsApi(),
+            events=EventRecorder(action=k.ACTION_RECONCILE),
+        )
 
     def register(self, registry: kopf.OperatorRegistry) -> None:
         on = (api.GROUP, api.VERSION, api.PLURAL)
@@ -193,7 +202,7 @@ class PolicyReconciler:
         policy = dict(body)
 
         def emit(type_: str, reason: str, message: str) -> None:
-            post_event(clients.core_v1, policy, EventSpec(type_, reason, message))
+            clients.events.post(policy, EventSpec(type_, reason, message))
 
         with metrics.timed_reconcile():
             problem = self.reconcile_one(
@@ -305,7 +314,7 @@ class PolicyReconciler:
             def emit(
                 type_: str, reason: str, message: str, policy: dict[str, Any] = policy
             ) -> None:
-                post_event(clients.core_v1, policy, EventSpec(type_, reason, message))
+                clients.events.post(policy, EventSpec(type_, reason, message))
 
             try:
                 self.reconcile_one(

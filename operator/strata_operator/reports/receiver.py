@@ -75,8 +75,10 @@ from strata.constants import REPORT_PATH
 from strata.reports import SidecarReport
 from strata_operator import certs
 from strata_operator import metrics as m
-from strata_operator.cluster import EventSpec, StatusWriter, get_policy, post_event
+from strata_operator.cluster import EventRecorder, EventSpec, StatusWriter, get_policy
 from strata_operator.constants import (
+    ACTION_CHECK_POD,
+    ACTION_FOLD_REPORT,
     EVENT_NOT_PROTECTED,
     INJECTED_ANNOTATION,
     POLICY_LABEL,
@@ -134,6 +136,8 @@ class ReceiverState:
     auth_api: Any = None
     core_api: Any = None
     custom_api: Any = None
+    events: EventRecorder | None = None
+    """Events on policies and pods (None: none are posted)."""
     status_interval: float = 1.0
     """Seconds between two status patches of one policy (reports in between are folded)."""
     runner: web.AppRunner | None = None
@@ -150,6 +154,11 @@ class ReceiverState:
     def writer(self) -> StatusWriter:
         """The writer of ``status.jobs`` (:class:`strata_operator.cluster.StatusWriter`)."""
         return StatusWriter(self.custom_api, timeout=10)
+
+    def post_event(self, obj: dict[str, Any], event: EventSpec) -> None:
+        """Post ``event`` about ``obj`` (blocking; a repeat joins the first one's series)."""
+        if self.events is not None:
+            self.events.post(obj, event)
 
     def first_time(self, key: str) -> bool:
         if not key:
@@ -356,7 +365,7 @@ async def fold_batch(
     for events in per_report:
         for event in events:
             if state.first_time(event.key):
-                await state.call(post_event, state.core_api, policy, event)
+                await state.call(state.post_event, policy, event)
     return [len(events) for events in per_report]
 
 
@@ -376,6 +385,8 @@ class ReportReceiver:
     is :attr:`state` (set by :meth:`configure`)."""
 
     name = "reports"
+    leader_only = True
+    """Runs only on the replica holding the Lease (``--leader-elect``): it writes policies."""
 
     def __init__(self, state: ReceiverState | None = None) -> None:
         self.state = state
@@ -426,6 +437,7 @@ class ReportReceiver:
             auth_api=client.AuthenticationV1Api(api_client),
             core_api=client.CoreV1Api(api_client),
             custom_api=client.CustomObjectsApi(api_client),
+            events=EventRecorder(api_client, action=ACTION_FOLD_REPORT),
             status_interval=args.status_interval,
         )
         if args.metrics_port:
@@ -479,6 +491,8 @@ class ReportReceiver:
             await state.batches.close()
         if state is not None and state.executor is not None:
             state.executor.shutdown(wait=False, cancel_futures=True)
+            # A replica that leads again later starts the receiver again with new threads.
+            state.executor = None
 
     async def labelled_pod(self, body: kopf.Body, type: str | None, **_: Any) -> None:
         """Keep the receiver's view of labelled pods (no GET per report), and report a labelled pod
@@ -519,9 +533,10 @@ class ReportReceiver:
             f"pod {ns}/{name} is labelled {POLICY_LABEL}={policy_name} but runs without the Strata "
             "sidecar: it was created while the webhook was unreachable (failurePolicy Ignore) or in "
             "an excluded namespace; its checkpoints are not protected. Recreate the pod.",
+            action=ACTION_CHECK_POD,
         )
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": dict(meta)}
-        await asyncio.to_thread(post_event, state.core_api, pod, event)
+        await asyncio.to_thread(state.post_event, pod, event)
         policy = await asyncio.to_thread(get_policy, state.custom_api, ns, policy_name, timeout=10)
         if policy is not None:
-            await asyncio.to_thread(post_event, state.core_api, policy, event)
+            await asyncio.to_thread(state.post_event, policy, event)

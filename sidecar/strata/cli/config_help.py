@@ -41,7 +41,16 @@ _NOT_IN_MODEL = {
 
 @functools.cache
 def _attribute_docs(cls: type) -> dict[str, str]:
-    """``field -> docstring`` from the string literal right after each annotated attribute."""
+    """``field -> docstring`` from the string literal right after each annotated attribute, in
+    ``cls`` and the models it inherits fields from (the nearest class's docstring wins)."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if isinstance(base, type) and issubclass(base, BaseModel) and base is not BaseModel:
+            docs.update(_own_attribute_docs(base))
+    return docs
+
+
+def _own_attribute_docs(cls: type) -> dict[str, str]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):  # no source (frozen app): help without the docs

@@ -30,6 +30,7 @@ from strata.client.loader import load_shard
 from strata.client.sharded import ShardedLoad, ShardReader
 from strata.config import StrataConfig
 from strata.format import codec
+from strata.format.manifest import Manifest
 from strata.restore.reshard import PerRankValues, per_rank_values
 from strata.tiers.base import Tier
 from strata.tiers.configured import durable_tiers, in_restore_order
@@ -108,6 +109,9 @@ class ReshardRead:
     parent: str
     """The incarnation that wrote the step ("" when unknown)."""
     nbytes: int
+    """Bytes read from the tiers (whole checksum chunks)."""
+    nbytes_needed: int
+    """Bytes this rank needed: its per-rank values and its slices of the sharded tensors."""
     error: str | None
     """Why this rank could not load it (None: loaded)."""
     tiers: list[str]
@@ -252,13 +256,46 @@ class RankLoader:
         try:
             m = reader.manifest(src)
             parent = m.incarnation
-            data = reader.read(src, 0, m.data_nbytes)
-            tree = codec.load_into(
-                state, m, data, where=f"step {step} rank {src}", resolve=load.resolve
-            )
+            data = _unsharded_bytes(reader, src, m)
+
+            def resolve(entry: Any, live: Any, _chunk: Any, path: str) -> Any:
+                # The sharded chunks were not read: every one is filled from the tiers, only the
+                # slice this rank holds now (ShardedLoad.fill_from_tiers).
+                return load.resolve(entry, live, None, path)
+
+            tree = codec.load_into(state, m, data, where=f"step {step} rank {src}", resolve=resolve)
             load.fill_from_tiers(reader)
         except Exception as exc:  # any failure (a device copy, NCCL): every rank learns of it
             err = f"rank {self.rank}: {exc}"
         finally:
             check.close(notes)
-        return ReshardRead(tree, src, parent, reader.nbytes_read, err, list(reader.served))
+        return ReshardRead(
+            tree, src, parent, reader.nbytes_read, reader.nbytes_needed, err, list(reader.served)
+        )
+
+
+def _unsharded_bytes(reader: ShardReader, rank: int, m: Manifest) -> mmap.mmap:
+    """A buffer of ``m.data_nbytes`` bytes holding, verified, the storages of ``rank``'s shard
+    that no sharded chunk owns (per-rank values, plain tensors); the rest stays zero and is
+    never read (the sharded slices come from :meth:`ShardedLoad.fill_from_tiers`). Storages
+    whose checksum chunks touch are read together."""
+    owned = {e.tensor for e in m.sharded if e.tensor is not None}
+    wanted = sorted(
+        {te.storage for i, te in enumerate(m.tensors) if i not in owned},
+        key=lambda j: m.storages[j].offset,
+    )
+    buf = mmap.mmap(-1, max(1, m.data_nbytes))  # anonymous: untouched pages cost no memory
+    spans: list[list[int]] = []
+    cs = m.chunk_size
+    for j in wanted:
+        se = m.storages[j]
+        if se.nbytes == 0:
+            continue
+        lo, hi = se.offset, se.offset + se.nbytes
+        if spans and lo <= -(-spans[-1][1] // cs) * cs:  # within the last span's final chunk
+            spans[-1][1] = max(spans[-1][1], hi)
+        else:
+            spans.append([lo, hi])
+    for lo, hi in spans:
+        buf[lo:hi] = reader.read(rank, lo, hi - lo)
+    return buf

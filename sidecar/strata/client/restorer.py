@@ -415,13 +415,14 @@ class Restorer:
         )
         log.warning(
             "strata: restored step %d of job %s rank %d by resharding from world size %d "
-            "(from %s; %d bytes read, %.3f s)",
+            "(from %s; %d bytes read for %d needed, %.3f s)",
             step,
             self.job_id,
             self.rank,
             saved_world,
             ", ".join(read.tiers),
             read.nbytes,
+            read.nbytes_needed,
             result.seconds,
         )
         self._report_restore(result, "restored", notes)

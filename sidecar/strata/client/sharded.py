@@ -12,32 +12,31 @@ same or another world size and mesh (docs/architecture.md "Sharded state").
    sending its chunk; no tier is read;
 3. anything else (another world size, another mesh, a plain tensor restored from DTensors):
    the slices it needs are read from the saved owners' shards in the tiers
-   (:class:`ShardReader`: this node's RAM, the PVC, GCS, nearest first), each read verified
-   against the manifest's chunk CRC32Cs (files: only the chunks covering the bytes needed; GCS:
-   the whole shard, fetched once and verified).
+   (:class:`ShardReader`: this node's RAM, the PVC, GCS, nearest first): only the byte span of
+   each saved chunk that overlaps this rank's slice, rounded out to the checksum chunks that
+   verify it (ranged reads on every tier, GCS included).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from strata.client import device as devices
 from strata.client.device import Device
-from strata.errors import CodecError, RestoreError, ShardCorrupt, ShardUnavailable, TierError
+from strata.errors import CodecError, RestoreError, ShardUnavailable, TierError
 from strata.format import placement
 from strata.format.codec import dtype_from_name
-from strata.format.crc import chunk_crcs
-from strata.format.incremental import logical_chunk_crcs, logical_nbytes, same_logical_shard
+from strata.format.incremental import same_logical_shard
 from strata.format.manifest import Manifest, ShardedEntry
 from strata.tiers.base import Tier
+from strata.tiers.references import chunk_span, read_logical
 
 log = logging.getLogger("strata.client")
 
@@ -154,8 +153,7 @@ class ShardedLoad:
                     if ov is None:
                         continue
                     assert e.tensor is not None
-                    src = reader.tensor(saved_rank, m, e.tensor, p.path)
-                    piece = placement.sub(src, e.offsets, ov)
+                    piece = reader.region(saved_rank, m, e.tensor, e.offsets, ov, p.path)
                     placement.sub(p.layout.local, need[0], ov).copy_(piece)
                     covered += placement.region_numel(ov[1])
                 if covered != placement.region_numel(need[1]):
@@ -167,13 +165,19 @@ class ShardedLoad:
                     )
 
 
+EDGE_CACHE_CHUNKS = 8
+"""Verified checksum chunks a :class:`ShardReader` keeps (first and last of each read)."""
+
+
 class ShardReader:
     """Reads saved shards of one step (any rank) from ``tiers`` (nearest first), verified.
 
-    Files (RAM, PVC): only the chunks covering the bytes read, each checked against the
-    manifest's (logical) chunk CRC32Cs. Tiers without files (GCS) and incremental copies (issue
-    18): the whole shard, fetched once into a temporary file (reassembled) with verification.
-    Archive-only copies are never read. A copy that fails is noted and the next tier is tried.
+    Every tier alike: only the checksum chunks covering the bytes asked for, by ranged reads
+    (:func:`strata.tiers.references.read_logical`: ``pread`` of a RAM or PVC file, ranged GETs
+    on GCS, an incremental copy's referenced chunks from its base), each chunk checked against
+    the manifest's (logical) CRC32C. Archive-only copies are never read. A copy that fails is
+    noted and the next tier is tried. ``nbytes_read``: bytes read from the tiers so far;
+    ``nbytes_needed``: the bytes the caller asked for (the difference is the chunk rounding).
     """
 
     def __init__(
@@ -188,9 +192,9 @@ class ShardReader:
         self.served: list[str] = []
         """The tiers that served manifests, in the order first used."""
         self._manifests: dict[int, tuple[Manifest, Tier]] = {}
-        self._fetched: dict[int, Path] = {}
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.nbytes_read = 0
+        self.nbytes_needed = 0
+        self._edges: OrderedDict[tuple[int, int], bytes] = OrderedDict()
 
     def manifest(self, rank: int) -> Manifest:
         """The verified manifest of ``rank``'s shard from the nearest tier holding it."""
@@ -236,39 +240,89 @@ class ShardReader:
     def tensor(self, rank: int, m: Manifest, idx: int, where: str) -> torch.Tensor:
         """Saved tensor ``idx`` of ``rank``'s shard as a new CPU tensor (verified bytes)."""
         te = m.tensors[idx]
+        zeros = [0] * len(te.shape)
+        return self.region(rank, m, idx, zeros, (zeros, te.shape), where)
+
+    def region(
+        self,
+        rank: int,
+        m: Manifest,
+        idx: int,
+        origin: Sequence[int],
+        box: tuple[Sequence[int], Sequence[int]],
+        where: str,
+    ) -> torch.Tensor:
+        """The part ``box`` (global (offsets, lengths)) of saved tensor ``idx`` of ``rank``'s
+        shard, a chunk whose first element is at global ``origin``, as a new CPU tensor of shape
+        ``box[1]``. Only the bytes from the box's first element to its last are read (all of
+        them for a box of leading-dimension rows, as FSDP shards): verified bytes."""
+        te = m.tensors[idx]
         se = m.storages[te.storage]
-        raw = self.read(rank, se.offset, se.nbytes)
         dt = dtype_from_name(te.dtype, where)
-        st = torch.frombuffer(raw, dtype=torch.uint8).untyped_storage() if raw else None
-        if st is None:
-            return torch.empty(te.shape, dtype=dt)
-        return torch.empty(0, dtype=dt).set_(st, te.storage_offset, te.shape, te.stride)
+        lens = [int(n) for n in box[1]]
+        if any(n == 0 for n in lens):
+            return torch.empty(lens, dtype=dt)
+        esize = torch.empty(0, dtype=dt).element_size()
+        lo = [int(b) - int(o) for b, o in zip(box[0], origin, strict=True)]
+        first = te.storage_offset + sum(i * st for i, st in zip(lo, te.stride, strict=True))
+        last = first + sum((n - 1) * st for n, st in zip(lens, te.stride, strict=True))
+        raw = self.read(rank, se.offset + first * esize, (last - first + 1) * esize)
+        st = torch.frombuffer(raw, dtype=torch.uint8).untyped_storage()
+        return torch.empty(0, dtype=dt).set_(st, 0, lens, list(te.stride))
 
     def read(self, rank: int, offset: int, nbytes: int) -> bytearray:
-        """``nbytes`` bytes at ``offset`` of ``rank``'s data object, verified by chunk CRCs."""
+        """``nbytes`` bytes at ``offset`` of ``rank``'s logical data object, verified by chunk
+        CRCs (the covering chunks are read: :func:`strata.tiers.references.chunk_span`). The
+        first and last chunk of every read are kept (:data:`EDGE_CACHE_CHUNKS`, least recently
+        used out): the next slice of a neighbouring tensor starts in the chunk this one ended
+        in, and is not read again."""
         m = self.manifest(rank)
-        expected = logical_chunk_crcs(m)
-        assert expected is not None
         if nbytes == 0:
             return bytearray()
+        self.nbytes_needed += nbytes
         cs = m.chunk_size
-        first, last = offset // cs, (offset + nbytes - 1) // cs
-        start, stop = first * cs, min((last + 1) * cs, logical_nbytes(m))
+        start, stop = chunk_span(m, offset, nbytes)
+        out = bytearray(stop - start)
+        view = memoryview(out)
+        k, last = start // cs, (stop - 1) // cs
+        while k <= last:
+            cached = self._edges.get((rank, k))
+            if cached is not None:
+                self._edges.move_to_end((rank, k))
+                view[k * cs - start : k * cs - start + len(cached)] = cached
+                k += 1
+                continue
+            j = k
+            while j + 1 <= last and (rank, j + 1) not in self._edges:
+                j += 1
+            lo, hi = k * cs, min((j + 1) * cs, stop)
+            buf = self._read_verified(rank, m, lo, hi)
+            view[lo - start : hi - start] = buf
+            for edge in {k, j} & {start // cs, last}:
+                a = edge * cs - lo
+                self._remember((rank, edge), bytes(buf[a : a + cs]))
+            k = j + 1
+        view.release()
+        if start == offset and stop - start == nbytes:
+            return out
+        return out[offset - start : offset - start + nbytes]
+
+    def _remember(self, key: tuple[int, int], chunk: bytes) -> None:
+        self._edges[key] = chunk
+        self._edges.move_to_end(key)
+        while len(self._edges) > EDGE_CACHE_CHUNKS:
+            self._edges.popitem(last=False)
+
+    def _read_verified(self, rank: int, m: Manifest, start: int, stop: int) -> bytearray:
         for tier in self._tiers_for(rank):
             try:
-                path = self._file(tier, rank, m)
-                with open(path, "rb") as f:
-                    buf = bytearray(stop - start)
-                    got = f.readinto(memoryview(buf)) if start == 0 else _pread(f, buf, start)
-                if got != len(buf):
-                    raise ShardCorrupt(f"{path}: truncated ({got} of {len(buf)} bytes)")
-                crcs, _ = chunk_crcs(buf, len(buf), cs)
-                if crcs != expected[first : last + 1]:
-                    raise ShardCorrupt(f"{path}: chunk checksum mismatch in chunks {first}-{last}")
-                self.nbytes_read += len(buf)
-                return buf[offset - start : offset - start + nbytes]
+                held = self._held(tier, rank, m)
+                buf = read_logical(tier, self.job_id, self.step, rank, held, start, stop)
             except (TierError, OSError) as exc:
                 self.notes.append(f"step {self.step} rank {rank}: {tier.name}: {exc}")
+                continue
+            self.nbytes_read += len(buf)
+            return buf
         raise RestoreError(
             f"rank {rank}'s shard of step {self.step}: no tier served verified bytes "
             f"({'; '.join(self.notes[-3:])})"
@@ -278,30 +332,20 @@ class ShardReader:
         src = self._manifests[rank][1]
         return [src] + [t for t in self.tiers if t is not src]
 
-    def _file(self, tier: Tier, rank: int, m: Manifest) -> Path:
-        held = m
-        if tier is not self._manifests[rank][1]:
-            held = tier.get_manifest(self.job_id, self.step, rank)
-            if not same_logical_shard(held, m) or held.components is not None:
-                raise ShardUnavailable(f"{tier.name} holds another copy of rank {rank}")
-        path = tier.data_path(self.job_id, self.step, rank)
-        # an incremental copy stores only changed chunks: fetch_shard reassembles it
-        if held.refs is None and path is not None and path.exists():
-            return path
-        key = (rank, id(tier))
-        if key[0] in self._fetched:
-            return self._fetched[key[0]]
-        if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="strata-reshard-")
-        dst = Path(self._tmp.name) / f"rank-{rank}.data"
-        tier.fetch_shard(self.job_id, self.step, rank, dst, verify=True)
-        self._fetched[rank] = dst
-        return dst
+    def _held(self, tier: Tier, rank: int, m: Manifest) -> Manifest:
+        """The manifest of ``tier``'s copy of ``rank``'s shard: ``m`` where it came from, else
+        ShardUnavailable unless that copy holds the same logical bytes (and is not archive-only)."""
+        if tier is self._manifests[rank][1]:
+            return m
+        held = tier.get_manifest(self.job_id, self.step, rank)
+        if not same_logical_shard(held, m) or held.components is not None:
+            raise ShardUnavailable(f"{tier.name} holds another copy of rank {rank}")
+        return held
 
     def close(self) -> None:
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        """Forget the manifests and cached chunks (a later read reads them again)."""
+        self._manifests.clear()
+        self._edges.clear()
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:

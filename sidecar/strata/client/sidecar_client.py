@@ -27,10 +27,11 @@ import json
 import logging
 import os
 import socket
-import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import tenacity
 
 from strata.errors import (
     ProtocolError,
@@ -72,27 +73,26 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 
     def connect(self) -> None:
         # A full listen backlog (the sidecar busy, many ranks calling at once) makes a unix-socket
-        # connect with a timeout fail at once with EAGAIN; retry with backoff within the timeout.
-        deadline = time.monotonic() + (self.timeout if self.timeout is not None else 30.0)
-        delay = 0.01
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            if self.timeout is not None:
-                sock.settimeout(self.timeout)
-            try:
-                sock.connect(self._unix_path)
-            except BlockingIOError:
-                sock.close()
-                if time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.2)
-                continue
-            except OSError:
-                sock.close()
-                raise
-            self.sock = sock
-            return
+        # connect with a timeout fail at once with EAGAIN (BlockingIOError); it is retried after
+        # 10, 20, 40 ... 200 ms while the next try starts within the timeout. Other errors raise.
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(BlockingIOError),
+            wait=tenacity.wait_exponential(multiplier=0.01, max=0.2),
+            stop=tenacity.stop_before_delay(self.timeout if self.timeout is not None else 30.0),
+            reraise=True,
+        )
+        self.sock = retrying(self._connect_once)
+
+    def _connect_once(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if self.timeout is not None:
+            sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._unix_path)
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
 
 class SidecarClient:

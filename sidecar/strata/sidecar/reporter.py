@@ -7,15 +7,17 @@ from ``report.token_path`` for every request because projected service-account t
 
 Reports never block checkpointing: :meth:`Reporter.submit` only enqueues into a bounded queue
 (the oldest report is dropped on overflow, since a newer report supersedes it) and a daemon thread
-sends. A send is retried ``report.max_attempts`` times with exponential backoff and jitter on
-connection errors, 408, 429 and 5xx; other 4xx (bad token, schema) are logged and dropped.
+sends. A send is tried up to ``report.max_attempts`` times on connection errors, 408, 429 and 5xx;
+other 4xx (bad token, schema) are logged and dropped. The retry is ``tenacity``'s: the wait before
+retry n is ``d/2 + uniform(0, d)`` with ``d = min(backoff * 2^(n-1), max_backoff)``, i.e.
+``d * uniform(0.5, 1.5)`` ("equal jitter", which spreads the sidecars of a job that all lost the
+operator at once); a sidecar that is stopping ends the wait at once and drops the report.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import random
 import ssl
 import threading
 import time
@@ -23,6 +25,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+import tenacity
 
 from strata.config import ReportConfig
 from strata.errors import StrataError
@@ -109,21 +113,33 @@ class Reporter:
 
     def _send_with_retry(self, report: SidecarReport) -> None:
         body = report.model_dump_json().encode()
-        delay = self._backoff
-        for attempt in range(1, self.config.max_attempts + 1):
-            try:
-                self._post(body)
-                self.sent += 1
-                return
-            except ReportError as exc:
-                if not exc.retryable or attempt == self.config.max_attempts:
-                    self._dropped(f"{exc} (attempt {attempt}/{self.config.max_attempts})")
-                    return
-                log.info("report attempt %d failed: %s; retrying in %.1fs", attempt, exc, delay)
-            if self._stop.wait(delay * (0.5 + random.random())):
+        attempts = self.config.max_attempts
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, ReportError) and e.retryable),
+            stop=tenacity.stop_after_attempt(attempts) | tenacity.stop_when_event_set(self._stop),
+            wait=backoff(self._backoff, self._max_backoff),
+            sleep=self._sleep,
+            before_sleep=_log_retry,
+            reraise=True,
+        )
+        try:
+            retrying(self._post, body)
+        except ReportError as exc:
+            attempt = retrying.statistics.get("attempt_number", 1)
+            if exc.retryable and attempt < attempts:  # stopped by the stop event
                 self._dropped("sidecar stopping")
-                return
-            delay = min(delay * 2, self._max_backoff)
+            else:
+                self._dropped(f"{exc} (attempt {attempt}/{attempts})")
+            return
+        except _Stopping:
+            self._dropped("sidecar stopping")
+            return
+        self.sent += 1
+
+    def _sleep(self, seconds: float) -> None:
+        """tenacity's sleep: wait on the stop event, so that close() does not wait a backoff."""
+        if self._stop.wait(seconds):
+            raise _Stopping
 
     def _post(self, body: bytes) -> None:
         request = urllib.request.Request(
@@ -148,6 +164,24 @@ class Reporter:
             ) from None
         except (urllib.error.URLError, OSError) as exc:
             raise ReportError(f"POST {self.url} failed: {exc}", retryable=True) from None
+
+
+def backoff(initial: float, maximum: float) -> tenacity.wait.wait_base:
+    """The wait before retry n (seconds): ``d * uniform(0.5, 1.5)``, ``d = min(initial * 2^(n-1),
+    maximum)``, written as tenacity's ``d/2 + uniform(0, d)``."""
+    return tenacity.wait_exponential(multiplier=initial / 2, max=maximum / 2) + (
+        tenacity.wait_random_exponential(multiplier=initial, max=maximum)
+    )
+
+
+def _log_retry(state: tenacity.RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    delay = state.next_action.sleep if state.next_action is not None else 0.0
+    log.info("report attempt %d failed: %s; retrying in %.1fs", state.attempt_number, exc, delay)
+
+
+class _Stopping(Exception):
+    """The stop event was set during a backoff wait."""
 
 
 class ReportError(StrataError, RuntimeError):

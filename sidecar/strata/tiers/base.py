@@ -27,6 +27,7 @@ says what to do; callers fall back to the next tier on :class:`ShardUnavailable`
 from __future__ import annotations
 
 import abc
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,6 +186,24 @@ class Tier(abc.ABC):
         (:class:`ShardCorrupt`)."""
         return None
 
+    def read_range(self, job_id: str, step: int, rank: int, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` bytes of the committed data object from byte ``offset``, as stored (an
+        incremental copy's stored object, not its logical one), NOT verified: the caller checks
+        them against the manifest's chunk CRC32Cs (:func:`strata.tiers.references.read_logical`).
+
+        Fewer bytes only when the object ends first (the caller calls that truncated). Raises
+        :class:`ShardUnavailable` when there is no data object, another :class:`TierError` when
+        the medium fails. Default: ``pread`` of :meth:`data_path`; a tier without local files
+        and no override fetches the whole shard (verified) into a temporary file first.
+        """
+        path = self.data_path(job_id, step, rank)
+        if path is None:
+            with tempfile.TemporaryDirectory(prefix="strata-range-") as tmp:
+                local = Path(tmp) / "data"
+                self.fetch_shard(job_id, step, rank, local, verify=True)
+                return _pread_file(local, offset, nbytes)
+        return _pread_file(path, offset, nbytes)
+
     def verify_shard(self, job_id: str, step: int, rank: int) -> Manifest:
         """Check the committed copy against its manifest (length, CRC32C) and return the
         manifest. Raises :class:`ShardUnavailable` (not committed) or :class:`ShardCorrupt`.
@@ -247,3 +266,28 @@ class Tier(abc.ABC):
     def newest_complete_step(self, job_id: str) -> int | None:
         steps = self.complete_steps(job_id)
         return steps[-1] if steps else None
+
+
+def _pread_file(path: Path, offset: int, nbytes: int) -> bytes:
+    """Bytes ``[offset, offset + nbytes)`` of ``path`` (fewer at its end); ShardUnavailable
+    when it is missing, TierError when the read fails."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise ShardUnavailable(f"{path} does not exist (not committed here)") from None
+    except OSError as exc:
+        raise TierError(f"cannot open {path} ({exc.strerror}); check the mount") from exc
+    try:
+        parts = []
+        done = 0
+        while done < nbytes:
+            piece = os.pread(fd, nbytes - done, offset + done)
+            if not piece:
+                break
+            parts.append(piece)
+            done += len(piece)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+    except OSError as exc:
+        raise TierError(f"reading {path} at byte {offset} failed ({exc.strerror})") from exc
+    finally:
+        os.close(fd)

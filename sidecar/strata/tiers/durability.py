@@ -40,6 +40,19 @@ def write_all(fd: int, payload: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def write_new(path: Path, payload: bytes, *, fsync: bool = True) -> None:
+    """Create ``path`` (which must not exist: ``O_EXCL``) holding ``payload``, fsynced when
+    ``fsync``. The caller links or renames it into place and removes it on failure; raises
+    ``FileExistsError`` when ``path`` exists and ``OSError`` as the system calls did."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_all(fd, payload)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def temp_name(path: Path) -> Path:
     """A fresh temporary name next to ``path`` (``<name>.tmp-<pid>-<random>``: never a final
     name, so listings and garbage collection can tell it apart)."""
@@ -52,12 +65,7 @@ def write_atomic(path: Path, payload: bytes) -> None:
     temporary file is removed and the error re-raised."""
     tmp = temp_name(path)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            write_all(fd, payload)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_new(tmp, payload)
         os.rename(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -44,7 +44,7 @@ from strata.format import crc, layout
 from strata.format.manifest import Manifest
 from strata.tiers.base import StepListing, Tier, parse_manifest
 from strata.tiers.checked_copy import copy_checked
-from strata.tiers.durability import fsync_dir, temp_name, write_all
+from strata.tiers.durability import fsync_dir, temp_name, write_new
 from strata.tiers.posix_records import PosixRecords
 
 log = logging.getLogger(__name__)
@@ -488,14 +488,10 @@ class PosixTier(PosixRecords, Tier):
             os.close(sfd)
 
     def _write_file(self, path: Path, payload: bytes, written: list[Path]) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        written.append(path)
-        try:
-            write_all(fd, payload)
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        if path.exists():  # a fresh temporary name: never someone else's file
+            raise FileExistsError(errno.EEXIST, "temporary file exists", str(path))
+        written.append(path)  # removed by the caller on any failure below
+        write_new(path, payload, fsync=self.fsync)
 
     # -- removing -------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from strata.errors import TierError, TierFull
-from strata.tiers.durability import fsync_dir, temp_name, write_all
+from strata.tiers.durability import fsync_dir, temp_name, write_new
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -41,13 +41,7 @@ class PosixRecords:
         tmp = temp_name(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                write_all(fd, payload)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_new(tmp, payload, fsync=self.fsync)
             try:
                 os.link(tmp, path)
             except FileExistsError:

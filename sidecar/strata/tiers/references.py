@@ -6,6 +6,10 @@
 - :func:`fetch_full`: a committed incremental copy reassembled into a local file (a RAM slot):
   its own chunks from its stored object, the referenced ones from its base in the same tier,
   every chunk checked against the logical CRC32C before the file is handed out.
+- :func:`read_logical`: a byte range of a committed copy's logical object, chunk-aligned, read
+  by ranged reads (:meth:`Tier.read_range`: ``pread``, GCS ranged GETs) of the stored object and
+  of its base, every chunk checked against the logical CRC32C (resharding reads only what it
+  needs).
 - :func:`verify_following_refs`: verification of a committed copy and of what it references.
 - :func:`referenced_bases`: the base steps that kept steps reference (retention keeps them).
 """
@@ -19,7 +23,14 @@ from pathlib import Path
 
 from strata.errors import ShardCorrupt, ShardUnavailable, TierError
 from strata.format import crc
-from strata.format.incremental import chunk_len, full_manifest, own_chunks, stored_ranges
+from strata.format.incremental import (
+    chunk_len,
+    full_manifest,
+    logical_chunk_crcs,
+    logical_nbytes,
+    own_chunks,
+    stored_ranges,
+)
 from strata.format.manifest import Manifest
 from strata.tiers.base import Tier
 
@@ -191,6 +202,70 @@ def fetch_full(
     ):
         raise ShardCorrupt(f"{tier.name}: step {step} rank {rank}: whole CRC32C mismatch")
     return full
+
+
+def read_logical(
+    tier: Tier, job_id: str, step: int, rank: int, m: Manifest, start: int, stop: int
+) -> bytearray:
+    """Bytes ``[start, stop)`` of the logical data object of the committed copy ``m`` of
+    ``tier`` (an incremental copy: its own chunks from its stored object, the referenced ones
+    from its base step's), every chunk checked against the logical CRC32Cs.
+
+    ``start`` must be a multiple of ``m.chunk_size`` and ``stop`` one too or the logical end
+    (callers round outwards: :func:`chunk_span`). Consecutive chunks stored back to back in one
+    object are read with one :meth:`Tier.read_range`. Raises :class:`ShardCorrupt` (a chunk
+    that does not match, or an object shorter than its manifest: nothing is quarantined here,
+    the caller decides), :class:`ShardUnavailable` (an object is gone) or another
+    :class:`TierError`.
+    """
+    cs = m.chunk_size
+    total = logical_nbytes(m)
+    expected = logical_chunk_crcs(m)
+    if expected is None:
+        raise ShardUnavailable(f"{tier.name}: step {step} rank {rank} has no checksums yet")
+    if start % cs or not (stop % cs == 0 or stop == total) or not 0 <= start <= stop <= total:
+        raise ValueError(f"range {start}-{stop} is not aligned to chunks of {cs} in {total}")
+    out = bytearray(stop - start)
+    if stop == start:
+        return out
+    refs = m.refs
+    own_at = {k: j * cs for j, k in enumerate(own_chunks(m))}
+    # Runs: (object's step, offset in that object, offset in out, length).
+    runs: list[list[int]] = []
+    for k in range(start // cs, (stop - 1) // cs + 1):
+        length = chunk_len(total, cs, k)
+        where = (step, own_at[k]) if refs is None or k in own_at else (refs.base_step, k * cs)
+        run = runs[-1] if runs else None
+        if run is not None and run[0] == where[0] and run[1] + run[3] == where[1]:
+            run[3] += length
+        else:
+            runs.append([where[0], where[1], k * cs - start, length])
+    view = memoryview(out)
+    for src_step, offset, at, length in runs:
+        data = tier.read_range(job_id, src_step, rank, offset, length)
+        if len(data) != length:
+            raise ShardCorrupt(
+                f"{tier.name}: step {src_step} rank {rank} ends at byte {offset + len(data)}, "
+                f"its manifest records more (truncated); restore from another tier"
+            )
+        view[at : at + length] = data
+    for k in range(start // cs, (stop - 1) // cs + 1):
+        a = k * cs - start
+        if crc.crc32c(view[a : a + chunk_len(total, cs, k)]) != expected[k]:
+            src = "its base step " + str(refs.base_step) if refs and k not in own_at else "it"
+            raise ShardCorrupt(
+                f"{tier.name}: step {step} rank {rank}: chunk {k} (read from {src}) fails its "
+                "CRC32C checksum; quarantine it and restore from another tier"
+            )
+    view.release()
+    return out
+
+
+def chunk_span(m: Manifest, offset: int, nbytes: int) -> tuple[int, int]:
+    """The chunk-aligned ``[start, stop)`` of ``m``'s logical object covering ``nbytes`` bytes
+    at ``offset`` (``nbytes`` > 0): what :func:`read_logical` reads to verify them."""
+    cs = m.chunk_size
+    return (offset // cs) * cs, min(((offset + nbytes - 1) // cs + 1) * cs, logical_nbytes(m))
 
 
 def verify_following_refs(tier: Tier, job_id: str, step: int, rank: int) -> Manifest:

@@ -12,9 +12,11 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Literal
 
 import requests
+import tenacity
 from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
@@ -60,6 +62,21 @@ _PART_ALIGN = 256 * 1024
 _STORAGE_MAX_REASON = 1024
 _QUARANTINE_TS = "%Y%m%dT%H%M%S%fZ"
 TRANSFER_ATTEMPTS = 3
+
+
+def transit_retry(
+    damaged: type[Exception], on_retry: Callable[[BaseException | None], None]
+) -> tenacity.Retrying:
+    """A download tried up to :data:`TRANSFER_ATTEMPTS` times in a row (``tenacity``), again only
+    when it raised ``damaged``: its bytes were damaged in transit (``DataCorruption`` from the
+    client, :class:`TransitMismatch` from a range checked against its manifest); the last such
+    error is raised. ``on_retry(error)`` is called before each new try (to log it)."""
+    return tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(damaged),
+        stop=tenacity.stop_after_attempt(TRANSFER_ATTEMPTS),
+        before_sleep=lambda state: on_retry(state.outcome.exception() if state.outcome else None),
+        reraise=True,
+    )
 
 
 def make_client(config: GcsTierConfig, project: str | None = None) -> storage.Client:
@@ -160,6 +177,23 @@ class GcsBucket:
     def manifest_url(self, job_id: str, step: int, rank: int) -> str:
         return self.url(layout.manifest_key(job_id, step, rank))
 
+    def delete_listed(self, blob: storage.Blob) -> Literal["deleted", "gone", "rewritten"]:
+        """Delete ``blob`` only while it is the generation that was listed
+        (``ifGenerationMatch``; retried, being conditional): "deleted"; "gone" when it no longer
+        exists; "rewritten" when a newer generation replaced it since (kept). Other errors are
+        raised as google-cloud-storage raises them."""
+        try:
+            blob.delete(
+                if_generation_match=blob.generation,
+                retry=self._cond_retry,
+                timeout=self.request_timeout,
+            )
+        except gexc.NotFound:
+            return "gone"
+        except gexc.PreconditionFailed:
+            return "rewritten"
+        return "deleted"
+
     def close(self) -> None:
         """Close the HTTP connections of a client this tier created."""
         if self._own_client:
@@ -241,21 +275,26 @@ class GcsBucket:
         key = layout.manifest_key(job_id, step, rank)
         name = self.object_name(key)
         where = self.url(key)
-        for attempt in range(1, TRANSFER_ATTEMPTS + 1):
-            try:
-                with self._errors("reading manifest", name, missing=ShardUnavailable):
-                    raw = self._bucket.blob(name).download_as_bytes(
-                        checksum="crc32c", retry=self._retry, timeout=self.request_timeout
-                    )
-                break
-            except DataCorruption as exc:
-                # The client compares the server's CRC32C header with what arrived.
-                if attempt == TRANSFER_ATTEMPTS:
-                    raise TransferCorrupt(
-                        f"{where}: damaged in transit in {TRANSFER_ATTEMPTS} downloads (CRC32C "
-                        "differs from the server's); check the network path or proxy"
-                    ) from exc
-                log.warning("%s damaged in transit; downloading it again", where)
+
+        def download() -> bytes:
+            with self._errors("reading manifest", name, missing=ShardUnavailable):
+                data: bytes = self._bucket.blob(name).download_as_bytes(
+                    checksum="crc32c", retry=self._retry, timeout=self.request_timeout
+                )
+            return data
+
+        try:
+            # The client compares the server's CRC32C header with what arrived (DataCorruption).
+            retrying = transit_retry(
+                DataCorruption,
+                lambda _: log.warning("%s damaged in transit; downloading it again", where),
+            )
+            raw = retrying(download)
+        except DataCorruption as exc:
+            raise TransferCorrupt(
+                f"{where}: damaged in transit in {TRANSFER_ATTEMPTS} downloads (CRC32C "
+                "differs from the server's); check the network path or proxy"
+            ) from exc
         return parse_manifest(raw, where, job_id, step, rank, " and gcs.prefix")
 
     def verify_shard(self, job_id: str, step: int, rank: int) -> Manifest:

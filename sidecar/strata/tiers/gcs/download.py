@@ -11,6 +11,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from google.api_core import exceptions as gexc
+
 from strata.errors import ShardCorrupt, ShardUnavailable, TierError, TierFull
 from strata.format import layout
 from strata.format.crc import combine_chunks, crc32c
@@ -18,6 +20,7 @@ from strata.format.manifest import Manifest
 from strata.tiers.gcs.client import (
     TRANSFER_ATTEMPTS,
     GcsBucket,
+    transit_retry,
 )
 from strata.tiers.gcs.errors import (
     Aborted,
@@ -30,6 +33,28 @@ log = logging.getLogger(__name__)
 
 class GcsDownloader(GcsBucket):
     """The read path of the GCS tier."""
+
+    def read_range(self, job_id: str, step: int, rank: int, offset: int, nbytes: int) -> bytes:
+        """:meth:`strata.tiers.base.Tier.read_range` as one ranged GET (``Range: bytes=``):
+        only the bytes asked for cross the network; the caller verifies them against the
+        manifest's chunk CRC32Cs (a range has no server-side checksum)."""
+        if nbytes <= 0:
+            return b""
+        key = layout.data_key(job_id, step, rank)
+        name = self.object_name(key)
+        with self._errors("downloading", name, missing=ShardUnavailable):
+            try:
+                return bytes(
+                    self._bucket.blob(name).download_as_bytes(
+                        start=offset,
+                        end=offset + nbytes - 1,
+                        checksum=None,  # per range; checked against the manifest's chunks
+                        retry=self._retry,
+                        timeout=self.request_timeout,
+                    )
+                )
+            except gexc.RequestRangeNotSatisfiable:
+                return b""  # the object ends before offset: the caller calls it truncated
 
     def fetch_shard(
         self, job_id: str, step: int, rank: int, dst_path: Path, verify: bool = True
@@ -88,31 +113,33 @@ class GcsDownloader(GcsBucket):
             ]
 
             def one(sink: _ChunkVerifyingSink) -> None:
-                for attempt in range(1, TRANSFER_ATTEMPTS + 1):
+                def attempt() -> None:
                     sink.reset()
-                    try:
-                        with self._errors("downloading", name, missing=ShardCorrupt):
-                            pinned.download_to_file(
-                                sink,
-                                start=sink.start,
-                                end=sink.end - 1,
-                                checksum=None,  # per range; checked against the manifest instead
-                                retry=self._retry,
-                                timeout=self.request_timeout,
-                            )
-                        sink.finish()
-                        return
-                    except TransitMismatch as exc:
-                        # The stored object's CRC32C matched the manifest, so these bytes were
-                        # damaged on the way: fetch the range again, never quarantine for it.
-                        if attempt == TRANSFER_ATTEMPTS:
-                            raise TransferCorrupt(
-                                f"{exc} in {TRANSFER_ATTEMPTS} downloads, although the stored "
-                                "object's CRC32C matches its manifest: the bytes are damaged in "
-                                "transit (check the network path or proxy); the stored copy is "
-                                "kept, restore from another tier meanwhile"
-                            ) from None
-                        log.warning("%s; downloading the range again", exc)
+                    with self._errors("downloading", name, missing=ShardCorrupt):
+                        pinned.download_to_file(
+                            sink,
+                            start=sink.start,
+                            end=sink.end - 1,
+                            checksum=None,  # per range; checked against the manifest instead
+                            retry=self._retry,
+                            timeout=self.request_timeout,
+                        )
+                    sink.finish()
+
+                # The stored object's CRC32C matched the manifest, so a range that does not
+                # (TransitMismatch) was damaged on the way: fetch it again, never quarantine.
+                retrying = transit_retry(
+                    TransitMismatch, lambda exc: log.warning("%s; downloading the range again", exc)
+                )
+                try:
+                    retrying(attempt)
+                except TransitMismatch as exc:
+                    raise TransferCorrupt(
+                        f"{exc} in {TRANSFER_ATTEMPTS} downloads, although the stored "
+                        "object's CRC32C matches its manifest: the bytes are damaged in "
+                        "transit (check the network path or proxy); the stored copy is "
+                        "kept, restore from another tier meanwhile"
+                    ) from None
 
             if len(sinks) == 1:
                 one(sinks[0])

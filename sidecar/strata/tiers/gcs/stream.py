@@ -16,9 +16,9 @@ finalized, so a corrupt source never becomes an object (:class:`SourceCorrupt`).
 the whole range is compared with the one GCS computed of what it stored: a mismatch is damage in
 transit (:class:`TransitMismatch` for the caller, which deletes the object).
 
-Retries: a failed attempt (connection error, timeout, 408/429/5xx) is retried from the start in
-a new session with exponential backoff until ``deadline`` seconds have passed; a session that
-never finished leaves no object. Other statuses raise the matching
+Retries (``tenacity``): a failed attempt (connection error, timeout, 408/429/5xx) is retried from
+the start in a new session after 1, 2, 4 ... 32 s, as long as the next attempt would start within
+``deadline`` seconds; a session that never finished leaves no object. Other statuses raise the matching
 ``google.api_core.exceptions`` error (412: the object exists; the caller decides).
 """
 
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterator, Sequence
 
 import requests
+import tenacity
 from google.api_core import exceptions as gexc
 from google.cloud import storage
 
@@ -127,22 +127,28 @@ def upload_range(
     ``google.api_core.exceptions.GoogleAPICallError`` (``PreconditionFailed``: the name exists;
     ``NotFound``: no bucket; ``Forbidden`` ...) or ``requests`` errors once retries run out.
     """
-    give_up = time.monotonic() + deadline
-    delay = 1.0
-    while True:
-        try:
-            return _attempt(client, blob, body, request_timeout)
-        except gexc.GoogleAPICallError as exc:
-            if exc.code not in _RETRY_STATUS or time.monotonic() + delay > give_up:
-                raise
-            why: Exception = exc
-        except (requests.ConnectionError, requests.Timeout) as exc:
-            if time.monotonic() + delay > give_up:
-                raise
-            why = exc
-        log.info("upload of gs://%s/%s failed (%s); retrying", blob.bucket.name, blob.name, why)
-        time.sleep(delay)
-        delay = min(delay * 2, 32.0)
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(_transient),
+        wait=tenacity.wait_exponential(multiplier=1.0, max=32.0),
+        stop=tenacity.stop_before_delay(deadline),
+        before_sleep=_log_retry,
+        reraise=True,
+    )
+    uploaded: storage.Blob = retrying(_attempt, client, blob, body, request_timeout)
+    return uploaded
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether a failed attempt may succeed in a new session (connection, timeout, 408/429/5xx)."""
+    if isinstance(exc, gexc.GoogleAPICallError):
+        return exc.code in _RETRY_STATUS
+    return isinstance(exc, requests.ConnectionError | requests.Timeout)
+
+
+def _log_retry(state: tenacity.RetryCallState) -> None:
+    blob = state.args[1]
+    why = state.outcome.exception() if state.outcome is not None else None
+    log.info("upload of gs://%s/%s failed (%s); retrying", blob.bucket.name, blob.name, why)
 
 
 def _attempt(

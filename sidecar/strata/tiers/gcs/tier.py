@@ -298,15 +298,7 @@ class GcsTier(GcsUploader, GcsDownloader, GcsRecords, Tier):
         first = [b for b in others if b is commit]
         for blob in [*first, *manifests, *(b for b in others if b is not commit)]:
             with self._errors("deleting", blob.name, missing=ShardUnavailable):
-                try:
-                    blob.delete(
-                        if_generation_match=blob.generation,
-                        retry=self._cond_retry,
-                        timeout=self.request_timeout,
-                    )
-                except gexc.NotFound:
-                    pass
-                except gexc.PreconditionFailed:
+                if self.delete_listed(blob) == "rewritten":
                     log.warning(
                         "kept gs://%s/%s: rewritten since listed", self.bucket_name, blob.name
                     )
@@ -354,13 +346,7 @@ class GcsTier(GcsUploader, GcsDownloader, GcsRecords, Tier):
                 if not any_writer and not self._is_mine(blob):
                     continue
                 with self._errors("garbage-collecting", blob.name, missing=ShardUnavailable):
-                    try:
-                        blob.delete(
-                            if_generation_match=blob.generation,
-                            retry=self._cond_retry,
-                            timeout=self.request_timeout,
-                        )
-                    except (gexc.NotFound, gexc.PreconditionFailed):
+                    if self.delete_listed(blob) != "deleted":
                         continue
                 deleted.append(f"gs://{self.bucket_name}/{blob.name}")
         if deleted:

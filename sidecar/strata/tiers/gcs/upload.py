@@ -329,13 +329,7 @@ class GcsUploader(GcsBucket):
 
     def _delete_quietly(self, blob: storage.Blob) -> None:
         try:
-            blob.delete(
-                if_generation_match=blob.generation,
-                retry=self._cond_retry,
-                timeout=self.request_timeout,
-            )
-        except gexc.NotFound:
-            pass
+            self.delete_listed(blob)
         except Exception as exc:  # cleanup only: leftovers are garbage-collected later
             log.warning("could not delete gs://%s/%s: %s", self.bucket_name, blob.name, exc)
 
