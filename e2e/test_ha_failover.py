@@ -245,6 +245,30 @@ class Replica:
             return ""
 
 
+def assert_report_folded(
+    core: Any, custom: Any, replica: Replica, workload: str, pod: str, step: int
+) -> None:
+    """A report from ``pod`` posted to ``replica`` is accepted (202) and folded into the
+    policy's status (its newest complete RAM step is ``step``)."""
+    token = pod_token(core, workload, pod)
+    report = SidecarReport(
+        policy="fast",
+        namespace=workload,
+        pod_name=pod,
+        job_id=f"{workload}.train",
+        tiers={"ram": TierState(newest_complete_step=step, complete_steps=1)},
+    )
+    status = post_report(replica, report.model_dump_json().encode(), token)
+    assert status == 202, (status, replica.tail())
+    jobs = (
+        custom.get_namespaced_custom_object(
+            "strata.dev", "v1alpha1", workload, "checkpointpolicies", "fast"
+        ).get("status")
+        or {}
+    ).get("jobs") or []
+    assert jobs and jobs[0]["newestCompleteStep"] == {"ram": step}, jobs
+
+
 def wait_for(what: str, check: Any, timeout: float, replicas: list[Replica] = ()) -> Any:  # type: ignore[assignment]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -546,23 +570,7 @@ def test_sigkill_of_the_leader_injects_every_admitted_pod_and_the_survivor_takes
             thread.join(60)
 
         # Report folding runs on the survivor.
-        token = pod_token(core, workload, "p0-0")
-        report = SidecarReport(
-            policy="fast",
-            namespace=workload,
-            pod_name="p0-0",
-            job_id=f"{workload}.train",
-            tiers={"ram": TierState(newest_complete_step=42, complete_steps=1)},
-        )
-        status = post_report(survivor, report.model_dump_json().encode(), token)
-        assert status == 202, (status, survivor.tail())
-        jobs = (
-            custom.get_namespaced_custom_object(
-                "strata.dev", "v1alpha1", workload, "checkpointpolicies", "fast"
-            ).get("status")
-            or {}
-        ).get("jobs") or []
-        assert jobs and jobs[0]["newestCompleteStep"] == {"ram": 42}, jobs
+        assert_report_folded(core, custom, survivor, workload, "p0-0", 42)
 
         in_flight = [r for r in out.refused if _in_flight_at_kill(r)]
         at_connect = [r for r in out.refused if "connection refused" in r]
@@ -752,23 +760,7 @@ def test_a_leader_that_loses_its_lease_stops_and_leads_again_in_the_same_process
         core.create_namespaced_pod(
             workload, PodBuilder("p-0", workload).container("train").policy("fast").obj()
         )
-        token = pod_token(core, workload, "p-0")
-        report = SidecarReport(
-            policy="fast",
-            namespace=workload,
-            pod_name="p-0",
-            job_id=f"{workload}.train",
-            tiers={"ram": TierState(newest_complete_step=7, complete_steps=1)},
-        )
-        status = post_report(replica, report.model_dump_json().encode(), token)
-        assert status == 202, (status, replica.tail())
-        jobs = (
-            custom.get_namespaced_custom_object(
-                "strata.dev", "v1alpha1", workload, "checkpointpolicies", "fast"
-            ).get("status")
-            or {}
-        ).get("jobs") or []
-        assert jobs and jobs[0]["newestCompleteStep"] == {"ram": 7}, jobs
+        assert_report_folded(core, custom, replica, workload, "p-0", 7)
         assert replica.proc is not None and replica.proc.poll() is None
         print(
             f"\nre-lead: stopped {stopped_s:.2f} s after the Lease was taken, led again "
