@@ -24,7 +24,8 @@ from strata.restore.staging import (
     remove_stale_first_slots,
     stage_into_ram,
 )
-from strata.tiers.posix import PosixTier, remove_quietly
+from strata.tiers.posix import PosixTier
+from strata.tiers.posix_io import remove_quietly
 from strata.tiers.ram import RamTier
 from strata.tiers.slots import (
     LocalSlotProvider,

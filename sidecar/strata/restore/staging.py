@@ -22,7 +22,7 @@ from strata.format import layout
 from strata.format.incremental import logical_nbytes
 from strata.format.manifest import Manifest
 from strata.tiers.base import Tier
-from strata.tiers.posix import remove_quietly
+from strata.tiers.posix_io import remove_quietly
 from strata.tiers.ram import RamTier
 from strata.tiers.references import fetch_full
 from strata.tiers.slots import (

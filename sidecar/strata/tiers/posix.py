@@ -43,61 +43,17 @@ from strata.errors import ShardCorrupt, ShardUnavailable, TierError, TierFull
 from strata.format import crc, layout
 from strata.format.manifest import Manifest
 from strata.tiers.base import StepListing, Tier, parse_manifest
-from strata.tiers.checked_copy import copy_checked
 from strata.tiers.durability import fsync_dir, temp_name, write_new
+from strata.tiers.posix_io import (
+    FULL_ERRNOS,
+    copy_verified,
+    make_dirs,
+    remove_quietly,
+    write_data,
+)
 from strata.tiers.posix_records import PosixRecords
 
 log = logging.getLogger(__name__)
-
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-_COPY_STEP = 64 * 1024 * 1024
-
-
-def copy_range(src_fd: int, dst_fd: int, nbytes: int, dst_offset: int = 0) -> None:
-    """Copy ``nbytes`` from offset 0 of ``src_fd`` to ``dst_offset`` of ``dst_fd`` in the kernel.
-
-    ``os.copy_file_range`` (server-side copy on NFS 4.2, reflink where supported), falling back
-    to ``os.sendfile`` and then to read/write when the pair of filesystems refuses it.
-    Raises OSError (ENOSPC ...) and ``EOFError`` when the source ends early.
-    """
-    done = 0
-    mode = "cfr"
-    while done < nbytes:
-        want = min(_COPY_STEP, nbytes - done)
-        if mode == "cfr":
-            try:
-                n = os.copy_file_range(src_fd, dst_fd, want, done, dst_offset + done)
-            except OSError as exc:
-                if exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    # tmpfs -> disk is cross-filesystem: Linux >= 5.19 refuses it with EXDEV.
-                    # sendfile still copies in the kernel; read/write costs 3-4x (bench/).
-                    mode = "sendfile"
-                    continue
-                raise
-        elif mode == "sendfile":
-            try:
-                os.lseek(dst_fd, dst_offset + done, os.SEEK_SET)
-                n = os.sendfile(dst_fd, src_fd, done, want)
-            except OSError as exc:
-                if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):
-                    mode = "rw"
-                    continue
-                raise
-        else:
-            data = os.pread(src_fd, want, done)
-            n = os.pwrite(dst_fd, data, dst_offset + done) if data else 0
-        if n == 0:
-            raise EOFError(f"source ended after {done} of {nbytes} bytes")
-        done += n
-
-
-def remove_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("could not remove partial file %s: %s", path, exc)
 
 
 class PosixTier(PosixRecords, Tier):
@@ -302,37 +258,10 @@ class PosixTier(PosixRecords, Tier):
                     f"{src} holds {size} bytes, its manifest records {m.data_nbytes} "
                     "(truncated); quarantine it and restore from another tier"
                 )
-            self._copy_verified(sfd, src, Path(dst_path), m, verify)
+            copy_verified(sfd, src, Path(dst_path), m, verify)
         finally:
             os.close(sfd)
         return m
-
-    def _copy_verified(self, sfd: int, src: Path, dst: Path, m: Manifest, verify: bool) -> None:
-        try:
-            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise TierError(f"cannot open {dst} for writing ({exc.strerror})") from exc
-        try:
-            if not verify or m.crc32c is None or m.chunk_crc32c is None:
-                # fetch_shard refuses a shard without checksums when verifying
-                copy_range(sfd, dfd, m.data_nbytes)
-                return
-            copy_checked(
-                sfd,
-                dfd,
-                m.data_nbytes,
-                m.chunk_size,
-                m.chunk_crc32c,
-                m.crc32c,
-                src_name=str(src),
-                writeback=False,
-            )
-        except OSError as exc:
-            if exc.errno in _FULL:
-                raise TierFull(f"no space left writing {dst}; free space in its tier") from exc
-            raise TierError(f"copying {src} to {dst} failed: {exc}") from exc
-        finally:
-            os.close(dfd)
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -372,7 +301,7 @@ class PosixTier(PosixRecords, Tier):
             return 0
         written: list[Path] = []
         try:
-            self._make_dirs(d)
+            make_dirs(d, self._sync_dir)
             if man.exists():
                 # A different copy of this shard is committed: un-commit it before its data is
                 # replaced, so no reader ever pairs the old manifest with new bytes -- and only
@@ -385,7 +314,7 @@ class PosixTier(PosixRecords, Tier):
                 man.unlink()
                 self._sync_dir(d)
             try:
-                self._write_data(src, data, manifest, written, verify_source)
+                write_data(src, data, manifest, written, check=verify_source, fsync=self.fsync)
             except ShardCorrupt:
                 for p in reversed(written):
                     remove_quietly(p)
@@ -404,7 +333,7 @@ class PosixTier(PosixRecords, Tier):
                 remove_quietly(p)
             with contextlib.suppress(OSError):
                 d.rmdir()  # only when empty: other ranks' shards stay
-            if exc.errno in _FULL:
+            if exc.errno in FULL_ERRNOS:
                 raise TierFull(
                     f"no space left on the {self.name} tier writing {exc.filename or data}; the "
                     "partial files were removed and the previous committed steps are intact; "
@@ -429,63 +358,9 @@ class PosixTier(PosixRecords, Tier):
         except FileNotFoundError:
             return False
 
-    def _make_dirs(self, d: Path) -> None:
-        missing = []
-        p = d
-        while not p.exists():
-            missing.append(p)
-            p = p.parent
-        for m in reversed(missing):
-            try:
-                m.mkdir()
-            except FileExistsError:
-                continue
-            self._sync_dir(m.parent)
-
     def _sync_dir(self, d: Path) -> None:
         if self.fsync:
             fsync_dir(d)
-
-    def _write_data(
-        self, src: Path, dst: Path, manifest: Manifest, written: list[Path], check: bool
-    ) -> None:
-        """Write the data object and fsync it; with ``check`` in one checked pass (raises
-        :class:`ShardCorrupt` when the source does not match ``manifest``)."""
-        nbytes = manifest.data_nbytes
-        try:
-            sfd = os.open(src, os.O_RDONLY)
-        except FileNotFoundError:
-            if not check:
-                raise
-            raise ShardCorrupt(f"{src}: data object missing under a committed manifest") from None
-        try:
-            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            written.append(dst)
-            try:
-                if check:
-                    copy_checked(
-                        sfd,
-                        dfd,
-                        nbytes,
-                        manifest.chunk_size,
-                        manifest.chunk_crc32c or [],
-                        manifest.crc32c or 0,
-                        src_name=str(src),
-                        writeback=self.fsync,
-                    )
-                else:
-                    try:
-                        copy_range(sfd, dfd, nbytes)
-                    except EOFError as exc:
-                        raise OSError(
-                            errno.EIO, f"{src} is shorter than its manifest: {exc}"
-                        ) from exc
-                if self.fsync:
-                    os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        finally:
-            os.close(sfd)
 
     def _write_file(self, path: Path, payload: bytes, written: list[Path]) -> None:
         if path.exists():  # a fresh temporary name: never someone else's file

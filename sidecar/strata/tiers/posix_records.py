@@ -10,14 +10,12 @@ next writer's cleanup of its own name only; ``gc`` of ``*.tmp-*`` names happens 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 from pathlib import Path
 
 from strata.errors import TierError, TierFull
 from strata.tiers.durability import fsync_dir, temp_name, write_new
-
-_FULL = (errno.ENOSPC, errno.EDQUOT)
+from strata.tiers.posix_io import FULL_ERRNOS
 
 
 class PosixRecords:
@@ -50,7 +48,7 @@ class PosixRecords:
                 fsync_dir(path.parent)
             return True
         except OSError as exc:
-            if exc.errno in _FULL:
+            if exc.errno in FULL_ERRNOS:
                 raise TierFull(
                     f"no space left on the {self.name} tier writing {path}; nothing was created"
                 ) from exc

@@ -39,7 +39,8 @@ from strata.errors import ShardUnavailable, TierError, TierFull
 from strata.format import crc, layout
 from strata.format.manifest import Manifest
 from strata.tiers.base import InPlaceShard
-from strata.tiers.posix import PosixTier, copy_range, remove_quietly
+from strata.tiers.posix import PosixTier
+from strata.tiers.posix_io import copy_range, remove_quietly
 from strata.tiers.slots import (
     Identity,
     LocalSlotProvider,

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from strata.errors import ShardUnavailable, SlotsBusy, StrataError, TierError, TierFull
 from strata.format import layout
 from strata.format.manifest import Manifest
-from strata.tiers.posix import remove_quietly
+from strata.tiers.posix_io import remove_quietly
 
 if TYPE_CHECKING:
     from strata.tiers.ram import RamTier
