@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import requests
 import tenacity
@@ -194,6 +194,44 @@ class GcsBucket:
             return "rewritten"
         return "deleted"
 
+    def create_object(
+        self,
+        blob: storage.Blob,
+        payload: bytes | BinaryIO,
+        *,
+        content_type: str,
+        size: int | None = None,
+    ) -> bool:
+        """Create ``blob`` from ``payload`` (bytes, or the first ``size`` bytes of a binary file)
+        only if no object of that name exists (``ifGenerationMatch=0``; so retried: the retry of
+        a create that landed gets 412), with a CRC32C the server checks. True: created; False:
+        the name exists (412: the caller decides whether what is there is the same). Other errors
+        are raised as google-cloud-storage raises them (:class:`DataCorruption` on a CRC32C
+        mismatch in transit); wrap the call in :meth:`_errors`."""
+        try:
+            if isinstance(payload, bytes):
+                blob.upload_from_string(
+                    payload,
+                    content_type=content_type,
+                    if_generation_match=0,
+                    checksum="crc32c",
+                    retry=self._cond_retry,
+                    timeout=self.request_timeout,
+                )
+            else:
+                blob.upload_from_file(
+                    payload,
+                    size=size,
+                    content_type=content_type,
+                    if_generation_match=0,
+                    checksum="crc32c",
+                    retry=self._cond_retry,
+                    timeout=self.request_timeout,
+                )
+        except gexc.PreconditionFailed:
+            return False
+        return True
+
     def close(self) -> None:
         """Close the HTTP connections of a client this tier created."""
         if self._own_client:
@@ -305,16 +343,25 @@ class GcsBucket:
         :class:`ShardCorrupt` (mismatch); returns the manifest.
         """
         manifest = self.get_manifest(job_id, step, rank)
+        self._check_blob(
+            self.committed_data(job_id, step, rank, "verifying"), manifest, "stored object"
+        )
+        return manifest
+
+    def committed_data(self, job_id: str, step: int, rank: int, doing: str) -> storage.Blob:
+        """The data object (its metadata: size, CRC32C, generation) of a shard whose manifest
+        is committed. Raises :class:`ShardCorrupt` when it is missing under that manifest (the
+        caller quarantines and falls back), :class:`ShardUnavailable` when it cannot be read;
+        ``doing`` names the operation in errors ("verifying", "downloading")."""
         name = self.object_name(layout.data_key(job_id, step, rank))
-        with self._errors("verifying", name, missing=ShardUnavailable):
+        with self._errors(doing, name, missing=ShardUnavailable):
             blob = self._bucket.get_blob(name, retry=self._retry, timeout=self.request_timeout)
         if blob is None:
             raise ShardCorrupt(
                 f"gs://{self.bucket_name}/{name} is missing although its manifest is committed; "
                 "quarantine the manifest and restore from another tier"
             )
-        self._check_blob(blob, manifest, "stored object")
-        return manifest
+        return blob
 
     def _check_blob(self, blob: storage.Blob, manifest: Manifest, what: str) -> None:
         crc = crc32c_of_b64(blob.crc32c)

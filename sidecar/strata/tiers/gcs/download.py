@@ -81,13 +81,7 @@ class GcsDownloader(GcsBucket):
         key = layout.data_key(job_id, step, rank)
         name = self.object_name(key)
         where = self.url(key)
-        with self._errors("downloading", name, missing=ShardUnavailable):
-            stored = self._bucket.get_blob(name, retry=self._retry, timeout=self.request_timeout)
-        if stored is None:
-            raise ShardCorrupt(
-                f"{where} is missing although its manifest is committed; quarantine the "
-                "manifest and restore from another tier"
-            )
+        stored = self.committed_data(job_id, step, rank, "downloading")
         if verify:
             self._check_blob(stored, manifest, "stored object")
         elif stored.size != manifest.data_nbytes:

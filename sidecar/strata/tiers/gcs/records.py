@@ -31,18 +31,7 @@ class GcsRecords(GcsBucket):
         blob = self._bucket.blob(name)
         blob.metadata = self._meta("record")
         with self._errors("creating", name):
-            try:
-                blob.upload_from_string(
-                    payload,
-                    content_type="application/json",
-                    if_generation_match=0,
-                    checksum="crc32c",
-                    retry=self._cond_retry,
-                    timeout=self.request_timeout,
-                )
-            except gexc.PreconditionFailed:
-                return False
-        return True
+            return self.create_object(blob, payload, content_type="application/json")
 
     def delete_record(self, key: str) -> None:
         name = self.object_name(key)

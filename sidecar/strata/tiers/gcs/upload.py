@@ -144,18 +144,11 @@ class GcsUploader(GcsBucket):
                     blob = self._bucket.blob(name)
                     blob.metadata = self._meta("data")
                     with open(src, "rb") as f:
-                        try:
-                            blob.upload_from_file(
-                                f,
-                                size=nbytes,
-                                content_type="application/octet-stream",
-                                if_generation_match=0,
-                                checksum="crc32c",
-                                retry=self._cond_retry,
-                                timeout=self.request_timeout,
-                            )
-                        except gexc.PreconditionFailed as exc:
-                            raise AlreadyExists(name) from exc
+                        created = self.create_object(
+                            blob, f, size=nbytes, content_type="application/octet-stream"
+                        )
+                    if not created:
+                        raise AlreadyExists(name)
         except DataCorruption as exc:
             raise GcsUnreachable(
                 f"uploading gs://{self.bucket_name}/{name}: corrupted in transit ({exc}); "
@@ -349,17 +342,10 @@ class GcsUploader(GcsBucket):
         )
         try:
             with self._errors("committing manifest", name):
-                try:
-                    blob.upload_from_string(
-                        manifest.to_json(),
-                        content_type="application/json",
-                        if_generation_match=0,
-                        checksum="crc32c",
-                        retry=self._cond_retry,
-                        timeout=self.request_timeout,
-                    )
-                except gexc.PreconditionFailed as exc:
-                    raise AlreadyExists(name) from exc
+                if not self.create_object(
+                    blob, manifest.to_json(), content_type="application/json"
+                ):
+                    raise AlreadyExists(name)
         except AlreadyExists as exc:
             try:
                 existing = self.get_manifest(job_id, step, rank)
