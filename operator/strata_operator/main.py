@@ -290,7 +290,7 @@ def build_registries(
     everyone, leader = _base_registry(), _base_registry()
     for ext in extensions:
         ext.configure(args, wiring)
-        ext.register(leader if getattr(ext, "leader_only", False) else everyone)
+        ext.register(leader if ext.leader_only else everyone)
     return everyone, leader
 
 

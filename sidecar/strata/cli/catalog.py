@@ -39,7 +39,7 @@ def step_row(loc: Location, job: str, listing: StepListing) -> dict[str, Any]:
         except TierError as exc:
             unreadable.append(f"rank {r}: {exc}")
     created = min((m.created.timestamp() for m in manifests), default=listing.mtime)
-    incarnations = sorted({str(i) for m in manifests if (i := getattr(m, "incarnation", None))})
+    incarnations = sorted({str(i) for m in manifests if (i := m.incarnation)})
     return {
         "tier": loc.kind,
         "location": loc.spec,
@@ -50,7 +50,7 @@ def step_row(loc: Location, job: str, listing: StepListing) -> dict[str, Any]:
         "partial_ranks": sorted(listing.partial_ranks),
         "world_size": listing.world_size,
         "incarnation": ",".join(incarnations) or None,
-        "commit_record": getattr(listing, "has_commit", None) if loc.kind != "ram" else None,
+        "commit_record": listing.has_commit if loc.kind != "ram" else None,
         "bytes": sum(m.data_nbytes for m in manifests),
         # what the copies hold (archive-only components; incremental base steps)
         "archive_only": sorted({c for m in manifests for c in (m.components or [])}) or None,

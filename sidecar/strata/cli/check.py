@@ -14,7 +14,6 @@ bad copy). Any ``corrupt`` or ``unreadable`` copy makes the run fail. Each step'
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from strata.cli.locations import Location, NotFound
 from strata.cli.output import Advance
 from strata.errors import CommitError, ShardCorrupt, TierError
+from strata.tiers.records import read_commit, verify_commit
 from strata.tiers.references import verify_following_refs
 
 BAD = frozenset({"corrupt", "unreadable"})
@@ -96,17 +96,12 @@ def commit_rows(
     """One row per global commit record (``commit.json``) in the given steps: ``ok``
     when it verifies (its seal) and names exactly the shards next to it; ``corrupt`` when torn,
     of another step, or naming a shard that was replaced; ``unreadable`` when it cannot be read.
-    Empty where this Strata has no commit records."""
-    try:
-        # The commit records; imported by name so that a tree without them type-checks too.
-        records: Any = importlib.import_module("strata.tiers.records")
-    except ImportError:
-        return []
+    Empty where no step has a commit record."""
     rows = []
     for loc in locations:
         for job in jobs:
             for s, listing in sorted(loc.tier.list_steps(job).items()):
-                if (step is not None and s != step) or not getattr(listing, "has_commit", False):
+                if (step is not None and s != step) or not listing.has_commit:
                     continue
                 row: dict[str, Any] = {
                     "tier": loc.kind,
@@ -118,9 +113,9 @@ def commit_rows(
                     "object": "commit.json",
                 }
                 try:
-                    commit = records.read_commit(loc.tier, job, s)
+                    commit = read_commit(loc.tier, job, s)
                     problems = (
-                        records.verify_commit(loc.tier, commit)
+                        verify_commit(loc.tier, commit)
                         if commit is not None
                         else ["it vanished while listing"]
                     )

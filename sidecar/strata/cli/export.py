@@ -149,7 +149,7 @@ def _sharded_chunks(rs: RankState) -> dict[str, tuple[Any, Any]]:
     tensor of one rank (manifests without sharded tensors: empty)."""
     from strata.cli.tree import walk
 
-    entries = getattr(rs.manifest, "sharded", None) or []
+    entries = rs.manifest.sharded
     out = {}
     for path, node in walk(rs.manifest.tree):
         if isinstance(node, dict) and SHARDED_TAG in node:

@@ -117,7 +117,7 @@ def leaves(m: Manifest) -> list[dict[str, Any]]:
                 }
             )
         elif isinstance(node, dict) and SHARDED_TAG in node:
-            entry = (getattr(m, "sharded", None) or [])[int(node[SHARDED_TAG])]
+            entry = m.sharded[int(node[SHARDED_TAG])]
             item = _ITEMSIZE.get(entry.dtype)
             stored = entry.tensor is not None
             out.append(

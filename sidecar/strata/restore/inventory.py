@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from strata.errors import ShardCorrupt, TierError
+from strata.format.commit import StepCommit
 from strata.restore.plan import LOCAL_TIERS, RankInventory
 from strata.tiers.base import StepListing, Tier
 from strata.tiers.records import committed_steps, read_incarnations, read_manifest_raw
@@ -128,13 +129,13 @@ def collect_inventory(
 
 
 def _global_commit(
-    tier: Tier, job_id: str, step: int, rank: int, world_size: int, commit: Any
+    tier: Tier, job_id: str, step: int, rank: int, world_size: int, commit: StepCommit | None
 ) -> tuple[str] | str:
     """(incarnation,) when ``step`` is complete in the shared ``tier`` for this job and this
     rank's shard is the committed one; else why not."""
     if commit is None:
         return "no global commit record (not every rank's shard of one incarnation is there)"
-    if getattr(commit, "archive_only", False):
+    if commit.archive_only:
         return "archive-only (it keeps only some components; never used to resume training)"
     if commit.world_size != world_size:
         return (
