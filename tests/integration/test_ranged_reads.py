@@ -108,6 +108,24 @@ def test_two_ranks_to_one_from_the_pvc_reads_what_it_needs(shm_dir: Path, tmp_pa
     assert got[0]["nbytes"] <= 1.1 * got[0]["needed"], got[0]
 
 
+def test_two_ranks_to_four_from_the_pvc_reads_what_it_needs(shm_dir: Path, tmp_path: Path) -> None:
+    """2 -> 4 (growth): each new rank needs half of each saved chunk of one saved rank (0.5-3 MiB
+    slices) and 4 KiB of per-rank values. Verified by the 256 KiB sub-chunk CRCs its manifest
+    records, that costs ~1.05x (the per-rank values' piece); by whole 4 MiB chunks it was ~2x."""
+    from strata.tiers.posix import PosixTier
+
+    pvc = tmp_path / "pvc"
+    _run("save", 2, shm_dir / "old", tmp_path / "o", step=5, pvc=pvc)
+    promote(shm_dir / "old", 2, 5, PosixTier(pvc), job=JOB)
+    shutil.rmtree(shm_dir / "old")
+    got = _run("restore", 4, shm_dir / "new", tmp_path / "o2", pvc=pvc)
+    _check(got, 5, 2)
+    for r in got:
+        assert r["nbytes"] <= 1.1 * r["needed"], r
+    m = PosixTier(pvc).get_manifest(JOB, 5, 0)
+    assert m.sub_crc32c is not None and m.sub_crc32c.size == 256 * 1024, m.sub_crc32c
+
+
 def test_two_ranks_to_four_from_gcs_reads_half_of_each_saved_chunk(
     shm_dir: Path, tmp_path: Path, gcs_emulator: Any, gcs_bucket: str
 ) -> None:
@@ -213,6 +231,51 @@ def test_read_logical_of_an_incremental_copy_reads_only_the_range(
         f.truncate(cs // 2)
     with pytest.raises(ShardCorrupt, match="truncated"):
         read_logical(pvc, JOB, 2, 0, m, 3 * cs, 4 * cs)
+
+
+def test_read_logical_verifies_parts_of_chunks_by_their_sub_chunk_crcs(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """A part of a chunk costs its own 256 KiB pieces, from the step's own object and from its
+    base alike; a flipped byte fails only the piece it is in; sub-chunk CRCs that do not combine
+    to their chunk's CRC32C are refused; a manifest without them is read by whole chunks."""
+    from strata.format.manifest import SubChunkCrcs
+    from strata.tiers.posix import PosixTier
+    from strata.tiers.references import chunk_span, read_logical
+
+    pvc = _counting(PosixTier, tmp_path / "pvc", "pvc")
+    m, _ram, logical = _incremental_steps(shm_dir, tmp_path, pvc)
+    cs = m.chunk_size
+    assert m.sub_crc32c is not None
+    g = m.sub_crc32c.size
+    assert g == 256 * 1024 and cs % g == 0
+    for lo, hi in ((3 * cs + g, 3 * cs + 3 * g), (2 * cs + g, 2 * cs + 2 * g)):  # own; base
+        type(pvc).read_bytes = 0
+        assert bytes(read_logical(pvc, JOB, 2, 0, m, lo, hi)) == logical[lo:hi]
+        assert type(pvc).read_bytes == hi - lo
+    assert chunk_span(m, 3 * cs + g + 5, 10) == (3 * cs + g, 3 * cs + 2 * g)
+    # a flipped byte in a referenced piece of the base: that piece fails, its neighbour reads
+    flip_byte(pvc.data_path(JOB, 1, 0), 2 * cs + g + 10)
+    with pytest.raises(ShardCorrupt, match="base step 1"):
+        read_logical(pvc, JOB, 2, 0, m, 2 * cs + g, 2 * cs + 2 * g)
+    assert (
+        bytes(read_logical(pvc, JOB, 2, 0, m, 2 * cs, 2 * cs + g)) == logical[2 * cs : 2 * cs + g]
+    )
+    # sub-chunk CRCs that do not combine to their chunk's CRC32C are not trusted
+    values = list(m.sub_crc32c.values())
+    k0 = 3 * cs // g
+    values[k0], values[k0 + 1] = values[k0 + 1], values[k0]
+    swapped = m.model_copy(update={"sub_crc32c": SubChunkCrcs.of(values, g)})
+    with pytest.raises(ShardCorrupt, match="do not combine"):
+        read_logical(pvc, JOB, 2, 0, swapped, 3 * cs, 3 * cs + g)
+    # a manifest without them (written before they existed): whole chunks, as before
+    old = m.model_copy(update={"sub_crc32c": None})
+    assert chunk_span(old, 3 * cs + g + 5, 10) == (3 * cs, 4 * cs)
+    with pytest.raises(ValueError, match="not aligned"):
+        read_logical(pvc, JOB, 2, 0, old, 3 * cs + g, 3 * cs + 2 * g)
+    type(pvc).read_bytes = 0
+    assert bytes(read_logical(pvc, JOB, 2, 0, old, 3 * cs, 4 * cs)) == logical[3 * cs : 4 * cs]
+    assert type(pvc).read_bytes == cs
 
 
 def test_read_logical_from_gcs_transfers_only_the_range(

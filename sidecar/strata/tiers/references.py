@@ -6,10 +6,11 @@
 - :func:`fetch_full`: a committed incremental copy reassembled into a local file (a RAM slot):
   its own chunks from its stored object, the referenced ones from its base in the same tier,
   every chunk checked against the logical CRC32C before the file is handed out.
-- :func:`read_logical`: a byte range of a committed copy's logical object, chunk-aligned, read
-  by ranged reads (:meth:`Tier.read_range`: ``pread``, GCS ranged GETs) of the stored object and
-  of its base, every chunk checked against the logical CRC32C (resharding reads only what it
-  needs).
+- :func:`read_logical`: a byte range of a committed copy's logical object, aligned to the
+  pieces its manifest can verify (sub-chunks of :data:`~strata.format.manifest.SUB_CHUNK_SIZE`
+  where recorded, else chunks), read by ranged reads (:meth:`Tier.read_range`: ``pread``, GCS
+  ranged GETs) of the stored object and of its base, every piece checked against the logical
+  CRC32Cs (resharding reads only what it needs).
 - :func:`verify_following_refs`: verification of a committed copy and of what it references.
 - :func:`referenced_bases`: the base steps that kept steps reference (retention keeps them).
 """
@@ -28,7 +29,9 @@ from strata.format.incremental import (
     full_manifest,
     logical_chunk_crcs,
     logical_nbytes,
+    logical_sub_crcs,
     own_chunks,
+    read_unit,
     stored_ranges,
 )
 from strata.format.manifest import Manifest
@@ -209,37 +212,49 @@ def read_logical(
 ) -> bytearray:
     """Bytes ``[start, stop)`` of the logical data object of the committed copy ``m`` of
     ``tier`` (an incremental copy: its own chunks from its stored object, the referenced ones
-    from its base step's), every chunk checked against the logical CRC32Cs.
+    from its base step's), every byte verified.
 
-    ``start`` must be a multiple of ``m.chunk_size`` and ``stop`` one too or the logical end
-    (callers round outwards: :func:`chunk_span`). Consecutive chunks stored back to back in one
-    object are read with one :meth:`Tier.read_range`. Raises :class:`ShardCorrupt` (a chunk
-    that does not match, or an object shorter than its manifest: nothing is quarantined here,
-    the caller decides), :class:`ShardUnavailable` (an object is gone) or another
-    :class:`TierError`.
+    ``start`` must be a multiple of :func:`~strata.format.incremental.read_unit` (the sub-chunk
+    size when ``m`` records sub-chunk CRCs, else ``m.chunk_size``) and ``stop`` one too or the
+    logical end (callers round outwards: :func:`chunk_span`). A chunk read whole is checked
+    against its (logical) chunk CRC32C; a part of a chunk against its sub-chunk CRCs, once those
+    are shown to combine to the chunk's CRC32C (so they are as trusted as the chunk list).
+    Consecutive pieces stored back to back in one object are read with one
+    :meth:`Tier.read_range`. Raises ``ValueError`` (a range not so aligned),
+    :class:`ShardCorrupt` (bytes that do not match, an object shorter than its manifest, or
+    sub-chunk CRCs that do not combine to their chunk's: nothing is quarantined here, the caller
+    decides), :class:`ShardUnavailable` (an object is gone) or another :class:`TierError`.
     """
     cs = m.chunk_size
     total = logical_nbytes(m)
     expected = logical_chunk_crcs(m)
     if expected is None:
         raise ShardUnavailable(f"{tier.name}: step {step} rank {rank} has no checksums yet")
-    if start % cs or not (stop % cs == 0 or stop == total) or not 0 <= start <= stop <= total:
-        raise ValueError(f"range {start}-{stop} is not aligned to chunks of {cs} in {total}")
+    subs = logical_sub_crcs(m)
+    unit = subs[0] if subs is not None else cs
+    if start % unit or not (stop % unit == 0 or stop == total) or not 0 <= start <= stop <= total:
+        raise ValueError(
+            f"range {start}-{stop} is not aligned to pieces of {unit} bytes in {total}"
+        )
     out = bytearray(stop - start)
     if stop == start:
         return out
     refs = m.refs
     own_at = {k: j * cs for j, k in enumerate(own_chunks(m))}
+    first, last = start // cs, (stop - 1) // cs
     # Runs: (object's step, offset in that object, offset in out, length).
     runs: list[list[int]] = []
-    for k in range(start // cs, (stop - 1) // cs + 1):
-        length = chunk_len(total, cs, k)
-        where = (step, own_at[k]) if refs is None or k in own_at else (refs.base_step, k * cs)
+    for k in range(first, last + 1):
+        lo, hi = max(start, k * cs), min(stop, k * cs + chunk_len(total, cs, k))
+        if refs is None or k in own_at:
+            where = (step, own_at[k] + lo - k * cs)
+        else:
+            where = (refs.base_step, lo)
         run = runs[-1] if runs else None
         if run is not None and run[0] == where[0] and run[1] + run[3] == where[1]:
-            run[3] += length
+            run[3] += hi - lo
         else:
-            runs.append([where[0], where[1], k * cs - start, length])
+            runs.append([where[0], where[1], lo - start, hi - lo])
     view = memoryview(out)
     for src_step, offset, at, length in runs:
         data = tier.read_range(job_id, src_step, rank, offset, length)
@@ -249,23 +264,45 @@ def read_logical(
                 f"its manifest records more (truncated); restore from another tier"
             )
         view[at : at + length] = data
-    for k in range(start // cs, (stop - 1) // cs + 1):
-        a = k * cs - start
-        if crc.crc32c(view[a : a + chunk_len(total, cs, k)]) != expected[k]:
+    try:
+        for k in range(first, last + 1):
+            c0, n = k * cs, chunk_len(total, cs, k)
+            lo, hi = max(start, c0), min(stop, c0 + n)
             src = "its base step " + str(refs.base_step) if refs and k not in own_at else "it"
-            raise ShardCorrupt(
-                f"{tier.name}: step {step} rank {rank}: chunk {k} (read from {src}) fails its "
-                "CRC32C checksum; quarantine it and restore from another tier"
-            )
-    view.release()
+            if lo == c0 and hi == c0 + n:
+                good = crc.crc32c(view[c0 - start : c0 - start + n]) == expected[k]
+            else:
+                assert subs is not None  # a part of a chunk is aligned only to sub-chunks
+                g, values = subs
+                if crc.join_pieces(values[c0 // g : (c0 + n - 1) // g + 1], n, g) != expected[k]:
+                    raise ShardCorrupt(
+                        f"{tier.name}: step {step} rank {rank}: the sub-chunk CRC32Cs of chunk "
+                        f"{k} in its manifest do not combine to the chunk's CRC32C; restore "
+                        "from another tier"
+                    )
+                good = all(
+                    crc.crc32c(view[a - start : min(a + g, hi) - start]) == values[a // g]
+                    for a in range(lo, hi, g)
+                )
+            if not good:
+                raise ShardCorrupt(
+                    f"{tier.name}: step {step} rank {rank}: chunk {k} (read from {src}) fails "
+                    "its CRC32C checksum; quarantine it and restore from another tier"
+                )
+    finally:
+        view.release()
     return out
 
 
 def chunk_span(m: Manifest, offset: int, nbytes: int) -> tuple[int, int]:
-    """The chunk-aligned ``[start, stop)`` of ``m``'s logical object covering ``nbytes`` bytes
-    at ``offset`` (``nbytes`` > 0): what :func:`read_logical` reads to verify them."""
-    cs = m.chunk_size
-    return (offset // cs) * cs, min(((offset + nbytes - 1) // cs + 1) * cs, logical_nbytes(m))
+    """The ``[start, stop)`` of ``m``'s logical object covering ``nbytes`` bytes at ``offset``
+    (``nbytes`` > 0), rounded out to the pieces :func:`read_logical` verifies on their own
+    (:func:`~strata.format.incremental.read_unit`: sub-chunks, or whole chunks for a manifest
+    without sub-chunk CRCs)."""
+    unit = read_unit(m)
+    return (offset // unit) * unit, min(
+        ((offset + nbytes - 1) // unit + 1) * unit, logical_nbytes(m)
+    )
 
 
 def verify_following_refs(tier: Tier, job_id: str, step: int, rank: int) -> Manifest:
