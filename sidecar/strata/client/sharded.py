@@ -351,9 +351,13 @@ class ShardReader:
         return held
 
     def close(self) -> None:
-        """Forget the manifests and cached chunks (a later read reads them again)."""
+        """Forget the manifests and cached chunks (a later read reads them again), and the
+        local copies tiers without ranged reads fetched for this reader
+        (:meth:`strata.tiers.base.Tier.drop_fetched`)."""
         self._manifests.clear()
         self._edges.clear()
+        for tier in self.tiers:
+            tier.drop_fetched()
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
