@@ -159,11 +159,18 @@ def _counting(tier_cls: type, *args: Any, **kwargs: Any) -> Any:
 
     class Counting(tier_cls):  # type: ignore[misc]
         read_bytes = 0
+        fetched_bytes = 0
+        """Bytes of the whole data objects fetched (``fetch_shard``)."""
 
         def read_range(self, job_id: str, step: int, rank: int, offset: int, n: int) -> bytes:
             data: bytes = super().read_range(job_id, step, rank, offset, n)
             type(self).read_bytes += len(data)
             return data
+
+        def fetch_shard(self, *args: Any, **kwargs: Any) -> Any:
+            m = super().fetch_shard(*args, **kwargs)
+            type(self).fetched_bytes += m.data_nbytes
+            return m
 
     return Counting(*args, **kwargs)
 
@@ -294,5 +301,43 @@ def test_read_logical_from_gcs_transfers_only_the_range(
         assert type(gcs).read_bytes == 2 * cs
         with pytest.raises(ValueError, match="not aligned"):
             read_logical(gcs, JOB, 2, 0, m, 10, cs)
+    finally:
+        gcs.close()
+
+
+def test_incremental_restore_from_gcs_reads_only_the_chunks_it_references_of_its_base(
+    shm_dir: Path, tmp_path: Path, gcs_emulator: Any, gcs_bucket: str
+) -> None:
+    """Reassembling an incremental copy from GCS transfers the state once: the base's referenced
+    chunks by ranged GETs and the step's own chunk, not the whole base and then the step's
+    chunk over it (7 chunks for a 6-chunk state here); a corrupt referenced chunk of the base
+    is refused, naming the base."""
+    from strata.format import layout
+    from strata.tiers.gcs import GcsTier
+    from strata.tiers.references import fetch_full
+
+    gcs = _counting(GcsTier, gcs_emulator.tier_config(gcs_bucket), writer_id="test")
+    try:
+        m, _ram, logical = _incremental_steps(shm_dir, tmp_path, gcs)
+        assert m.refs is not None
+        cs = m.chunk_size
+        type(gcs).read_bytes = type(gcs).fetched_bytes = 0
+        dst = tmp_path / "full"
+        full = fetch_full(gcs, JOB, 2, 0, m, dst)
+        assert dst.read_bytes()[: len(logical)] == logical
+        assert full.crc32c == m.refs.logical_crc32c and full.refs is None
+        assert type(gcs).read_bytes == len(m.refs.chunks) * cs
+        assert type(gcs).read_bytes + type(gcs).fetched_bytes == len(logical)
+        # the base's object rewritten behind Strata's back: a referenced chunk no longer matches
+        blob = (
+            gcs_emulator.client()
+            .bucket(gcs_bucket)
+            .blob(gcs.object_name(layout.data_key(JOB, 1, 0)))
+        )
+        bad = bytearray(blob.download_as_bytes())
+        bad[4 * cs + 10] ^= 0xFF
+        blob.upload_from_string(bytes(bad))
+        with pytest.raises(ShardCorrupt, match=r"base step 1 .*chunk 4 referenced"):
+            fetch_full(gcs, JOB, 2, 0, m, tmp_path / "again", quarantine=False)
     finally:
         gcs.close()

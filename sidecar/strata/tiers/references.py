@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from strata.errors import ShardCorrupt, ShardUnavailable, TierError
@@ -101,6 +102,65 @@ def _local_data(tier: Tier, job_id: str, step: int, rank: int, tmp: Path) -> Pat
     return out
 
 
+BASE_RUN_BYTES = 64 * 1024 * 1024
+"""Most bytes of one ranged read of a base's referenced chunks (:func:`fetch_full`)."""
+BASE_READERS = 4
+"""Ranged reads of a base in flight at once (:func:`fetch_full` from a remote tier)."""
+
+
+def _pull_referenced(
+    tier: Tier,
+    job_id: str,
+    base_step: int,
+    rank: int,
+    stored: Manifest,
+    dst: Path,
+    bad_base: Callable[[str], ShardCorrupt],
+) -> None:
+    """Write the logical chunks ``stored`` references into ``dst`` at their logical offsets,
+    read from ``base_step``'s data object of ``tier`` by ranged reads, each chunk checked
+    against the logical CRC32C (``bad_base(reason)``: the error to raise)."""
+    refs = stored.refs
+    assert refs is not None
+    cs, total = stored.chunk_size, refs.logical_nbytes
+    expected = refs.logical_chunk_crc32c
+    runs: list[list[int]] = []  # [first chunk, chunk after the last]
+    for k in refs.chunks:
+        if runs and runs[-1][1] == k and (k + 1 - runs[-1][0]) * cs <= BASE_RUN_BYTES:
+            runs[-1][1] = k + 1
+        else:
+            runs.append([k, k + 1])
+
+    def pull(run: list[int], fd: int) -> str | None:
+        """None, or why the base's copy is bad (raised once, by the calling thread)."""
+        lo, hi = run[0] * cs, min(run[1] * cs, total)
+        data = tier.read_range(job_id, base_step, rank, lo, hi - lo)
+        if len(data) != hi - lo:
+            return f"its copy ends at byte {lo + len(data)}, before chunk {run[0]} ends"
+        view = memoryview(data)
+        for k in range(run[0], run[1]):
+            a = k * cs - lo
+            if crc.crc32c(view[a : a + chunk_len(total, cs, k)]) != expected[k]:
+                return f"chunk {k} referenced does not match its CRC32C"
+        os.pwrite(fd, data, lo)
+        return None
+
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        if len(runs) <= 1:
+            why = [pull(run, fd) for run in runs]
+        else:
+            with ThreadPoolExecutor(BASE_READERS, thread_name_prefix="strata-base") as pool:
+                why = list(pool.map(lambda run: pull(run, fd), runs))
+    except OSError as exc:
+        raise TierError(f"writing the base's chunks into {dst} failed: {exc}") from exc
+    finally:
+        os.close(fd)
+    bad = next((w for w in why if w is not None), None)
+    if bad is not None:
+        raise bad_base(bad)
+
+
 def fetch_full(
     tier: Tier,
     job_id: str,
@@ -115,10 +175,12 @@ def fetch_full(
     if missing, never truncated: it may be a RAM slot) and return the full manifest.
 
     Every chunk is checked against the logical CRC32C on its way into ``dst``. A tier with local
-    files (PVC) is read in place, chunk by chunk; from a remote tier (GCS) the base is downloaded
-    straight into ``dst`` (each chunk verified as it arrives, no temporary copy of the base, so
-    no disk space the size of the state is needed beside ``dst``) and then the step's own chunks
-    (a small temporary file) are written over it. Raises :class:`ShardUnavailable` when the base
+    files (PVC) is read in place, chunk by chunk; from a remote tier (GCS) only the chunks the
+    step references are read from the base, by ranged reads (:meth:`Tier.read_range`: runs of
+    consecutive chunks of at most :data:`BASE_RUN_BYTES`, :data:`BASE_READERS` at a time)
+    straight into ``dst`` (no temporary copy of the base, and none of the base's chunks that
+    the step replaced), and the step's own chunks (a small temporary file) beside them.
+    Raises :class:`ShardUnavailable` when the base
     is not committed in ``tier`` (the step cannot be served from here); :class:`ShardCorrupt`
     when a chunk does not match: the base's copy is quarantined first when the bad chunk came
     from it (the caller quarantines the step and falls back to another tier);
@@ -162,10 +224,7 @@ def fetch_full(
             for k in range(crc.n_chunks(refs.logical_nbytes, stored.chunk_size)):
                 if k not in own_at and (k >= len(base_crcs) or base_crcs[k] != expected[k]):
                     raise bad_base(f"chunk {k} referenced by step {step} is not the base's")
-            try:
-                tier.fetch_shard(job_id, refs.base_step, rank, dst, verify=True)
-            except ShardCorrupt as exc:
-                raise bad_base(f"its copy is corrupt ({exc})") from None
+            _pull_referenced(tier, job_id, refs.base_step, rank, stored, dst, bad_base)
         crcs = list(expected) if base_path is None else []
         own_path = _local_data(tier, job_id, step, rank, tmp)
         ofd = os.open(own_path, os.O_RDONLY)
