@@ -548,3 +548,56 @@ def test_ranged_reads_of_a_rebuilt_shard_rebuild_it_once(cluster: Callable[..., 
     tier.drop_fetched()  # the reader closed: a later read rebuilds it again
     assert bytes(read_logical(tier, JOB, RAM_STEP, 1, m, 0, CHUNK)) == c.shards[1][:CHUNK]
     assert _CountingPeerTier.fetches == 2
+
+
+def test_the_peer_tier_is_a_reshard_source_when_it_holds_every_shard_of_a_step(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """A 3-rank step whose node 0 is lost: the replacement's peer tier still holds every rank's
+    shard (node 1's and node 2's RAM, node 0's replica), so a job resized to 2 ranks can
+    reshard it from the peers, reading only the ranges it asks for (never whole shards)."""
+    from strata.client.sharded import ShardReader
+    from strata.restore.reshard import pick_reshard, reshard_sources
+
+    c = cluster(3, "replicate")
+    c.wait("replication", c.replicated)
+    lost = c.nodes[0]
+    c.lose(lost)
+    tier = _counting(c, lost)
+    ram = RamTier(lost.ram_dir)
+    got = reshard_sources([ram, tier], JOB, 0, 2, shared=False)
+    inc = tier.get_manifest(JOB, RAM_STEP, 0).incarnation
+    assert got["sources"] == [
+        {"step": RAM_STEP, "world_size": 3, "incarnation": inc, "tier": "peer"}
+    ]
+    # the peer tier serves the ranks that reported it: rank 1's node offers it too
+    other = {**got, "rank": 1}
+    choice = pick_reshard([got, other], 2, ORDER)
+    assert choice is not None and choice.step == RAM_STEP and choice.saved_world_size == 3
+    assert choice.sources == {0: ("peer",), 1: ("peer",)}
+    assert pick_reshard([got], 2, ORDER) is None  # rank 1 reported no source
+    # the reshard read: ranges of every saved rank from the peers, verified, never whole shards
+    reader = ShardReader([tier], JOB, RAM_STEP, inc)
+    for r in range(3):
+        lo, n = CHUNK + 100, CHUNK // 2
+        assert bytes(reader.read(r, lo, n)) == c.shards[r][lo : lo + n]
+    assert reader.served == ["peer"]
+    assert _CountingPeerTier.fetches == 0
+    assert _CountingPeerTier.read_bytes == reader.nbytes_read == 3 * CHUNK
+    reader.close()
+
+
+def test_the_peer_tier_is_no_reshard_source_without_every_shard(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """Two of three nodes lost with one replica each: some rank's shard is on no peer, so the
+    step is no reshard source there."""
+    from strata.restore.reshard import reshard_sources
+
+    c = cluster(3, "replicate")
+    c.wait("replication", c.replicated)
+    for n in c.nodes[:2]:
+        c.lose(n)
+    tier = c.replacement_tier(c.nodes[0])
+    assert len(tier.list_steps(JOB)[RAM_STEP].committed_ranks) < 3
+    assert reshard_sources([tier], JOB, 0, 2, shared=False)["sources"] == []
