@@ -276,9 +276,8 @@ class ShardReader:
         """``nbytes`` bytes at ``offset`` of ``rank``'s logical data object, verified by its
         sub-chunk or chunk CRCs (the covering pieces are read:
         :func:`strata.tiers.references.chunk_span`). The first and last piece of every read are
-        kept (:data:`EDGE_CACHE_CHUNKS`, least recently
-        used out): the next slice of a neighbouring tensor starts in the chunk this one ended
-        in, and is not read again."""
+        kept (:data:`EDGE_CACHE_CHUNKS`, least recently used out): the next slice of a
+        neighbouring tensor starts in the piece this one ended in, and is not read again."""
         m = self.manifest(rank)
         if nbytes == 0:
             return bytearray()
