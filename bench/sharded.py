@@ -12,7 +12,7 @@ real processes, on the same seeded bytes:
   PVC directory on /dev/shm) vs ``dcp.load`` of the DCP checkpoint at the same half size
   (slowest rank of each); ``grow_*`` the same at twice the ranks (``--no-grow`` skips it);
 - ``reshard_read_over_needed`` / ``grow_read_over_needed`` per rank: bytes the restore read from
-  the tiers (whole 256 KiB sub-chunks, or 4 MiB chunks where a manifest has no sub-chunk CRCs)
+  the tiers (whole 128 KiB sub-chunks, or 4 MiB chunks where a manifest has no sub-chunk CRCs)
   over the bytes of that rank's slices (goal <= 1.1). These byte counts do not depend on the
   machine's load; the timings do.
 

@@ -110,7 +110,7 @@ def test_two_ranks_to_one_from_the_pvc_reads_what_it_needs(shm_dir: Path, tmp_pa
 
 def test_two_ranks_to_four_from_the_pvc_reads_what_it_needs(shm_dir: Path, tmp_path: Path) -> None:
     """2 -> 4 (growth): each new rank needs half of each saved chunk of one saved rank (0.5-3 MiB
-    slices) and 4 KiB of per-rank values. Verified by the 256 KiB sub-chunk CRCs its manifest
+    slices) and 4 KiB of per-rank values. Verified by the 128 KiB sub-chunk CRCs its manifest
     records, that costs ~1.05x (the per-rank values' piece); by whole 4 MiB chunks it was ~2x."""
     from strata.tiers.posix import PosixTier
 
@@ -123,7 +123,7 @@ def test_two_ranks_to_four_from_the_pvc_reads_what_it_needs(shm_dir: Path, tmp_p
     for r in got:
         assert r["nbytes"] <= 1.1 * r["needed"], r
     m = PosixTier(pvc).get_manifest(JOB, 5, 0)
-    assert m.sub_crc32c is not None and m.sub_crc32c.size == 256 * 1024, m.sub_crc32c
+    assert m.sub_crc32c is not None and m.sub_crc32c.size == 128 * 1024, m.sub_crc32c
 
 
 def test_two_ranks_to_four_from_gcs_reads_half_of_each_saved_chunk(
@@ -243,7 +243,7 @@ def test_read_logical_of_an_incremental_copy_reads_only_the_range(
 def test_read_logical_verifies_parts_of_chunks_by_their_sub_chunk_crcs(
     shm_dir: Path, tmp_path: Path
 ) -> None:
-    """A part of a chunk costs its own 256 KiB pieces, from the step's own object and from its
+    """A part of a chunk costs its own 128 KiB pieces, from the step's own object and from its
     base alike; a flipped byte fails only the piece it is in; sub-chunk CRCs that do not combine
     to their chunk's CRC32C are refused; a manifest without them is read by whole chunks."""
     from strata.format.manifest import SubChunkCrcs
@@ -255,7 +255,7 @@ def test_read_logical_verifies_parts_of_chunks_by_their_sub_chunk_crcs(
     cs = m.chunk_size
     assert m.sub_crc32c is not None
     g = m.sub_crc32c.size
-    assert g == 256 * 1024 and cs % g == 0
+    assert g == 128 * 1024 and cs % g == 0
     for lo, hi in ((3 * cs + g, 3 * cs + 3 * g), (2 * cs + g, 2 * cs + 2 * g)):  # own; base
         type(pvc).read_bytes = 0
         assert bytes(read_logical(pvc, JOB, 2, 0, m, lo, hi)) == logical[lo:hi]

@@ -82,8 +82,8 @@ def test_sub_chunk_crcs_join_to_the_chunks(nbytes: int, threads: int) -> None:
 
 
 def test_sub_chunk_size_only_splits_chunks() -> None:
-    assert crc.sub_chunk_size(4 * 1024 * 1024) == 256 * 1024
-    assert crc.sub_chunk_size(256 * 1024) is None  # one piece per chunk: nothing to gain
+    assert crc.sub_chunk_size(4 * 1024 * 1024) == 128 * 1024
+    assert crc.sub_chunk_size(128 * 1024) is None  # one piece per chunk: nothing to gain
     assert crc.sub_chunk_size(3 * 100_000) is None  # not a multiple
 
 

@@ -14,7 +14,7 @@ same or another world size and mesh (docs/architecture.md "Sharded state").
    the slices it needs are read from the saved owners' shards in the tiers
    (:class:`ShardReader`: this node's RAM, the PVC, GCS, nearest first): only the byte span of
    each saved chunk that overlaps this rank's slice, rounded out to the checksummed pieces that
-   verify it (256 KiB sub-chunks where recorded, else 4 MiB chunks; ranged reads on every tier,
+   verify it (128 KiB sub-chunks where recorded, else 4 MiB chunks; ranged reads on every tier,
    GCS included).
 """
 

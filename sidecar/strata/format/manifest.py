@@ -40,17 +40,19 @@ the commit record (:mod:`strata.format.sealed`)."""
 ALIGN = 64
 """Byte alignment of each storage in the data object (cache line; keeps copies vectorised)."""
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
-SUB_CHUNK_SIZE = 256 * 1024
+SUB_CHUNK_SIZE = 128 * 1024
 """Bytes per sub-chunk CRC32C (:class:`SubChunkCrcs`) recorded by the save path.
 
-Why 256 KiB: a ranged read (a slice of a saved tensor, at a new world size) is rounded out to
+Why 128 KiB: a ranged read (a slice of a saved tensor, at a new world size) is rounded out to
 the pieces that verify it, so it costs its bytes plus at most two pieces (one on average for a
 slice at an arbitrary offset, none for one on a piece boundary: power-of-two rows). With 4 MiB
-chunks alone a 0.5-1 MiB slice cost 4-8 MiB (growing 4 -> 8 ranks read 1.6-1.8x the bytes it
-needed); with 256 KiB pieces such slices cost ~1.0x when aligned and slices from ~2.5 MiB meet
-1.1x at any offset. The price is in the manifest: 4 bytes per piece, base64 (5.3 characters),
-so a 64 GiB shard's manifest grows by 1.4 MB (262,144 pieces; its 4 MiB chunk list is ~0.18 MB
-of JSON) and a step of 16,384 such ranks by 22 GB of manifests against 1 PiB of data (2e-5).
+chunks alone a 0.5-1 MiB slice cost 4-8 MiB (``bench.sharded --mb 64``: growing 4 -> 8 ranks
+read 1.64-1.82x the bytes it needed). Measured with ``bench.sharded --rounds 2``, bytes read
+over bytes needed, 4 -> 8 ranks: 256 KiB pieces 1.00 with aligned slices (``--mb 64``) but
+1.15-1.16 with 480 KiB slices at unaligned offsets (``--mb 60``); 128 KiB pieces 1.00 and
+1.06-1.07. The price is in the manifest: 4 bytes per piece, base64 (5.3 characters), so a
+64 GiB shard's manifest grows by 2.8 MB (524,288 pieces; its 4 MiB chunk list is ~0.18 MB of
+JSON) and a step of 16,384 such ranks by 46 GB of manifests against 1 PiB of data (4e-5).
 Ranks read only the manifests of the saved ranks whose bytes they need. 64 KiB pieces would
 cost 5.6 MB per such manifest; 1 MiB pieces would leave 0.5 MiB slices at 2x.
 
