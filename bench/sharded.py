@@ -12,7 +12,9 @@ real processes, on the same seeded bytes:
   PVC directory on /dev/shm) vs ``dcp.load`` of the DCP checkpoint at the same half size
   (slowest rank of each); ``grow_*`` the same at twice the ranks (``--no-grow`` skips it);
 - ``reshard_read_over_needed`` / ``grow_read_over_needed`` per rank: bytes the restore read from
-  the tiers (whole 4 MiB checksum chunks) over the bytes of that rank's slices (goal <= 1.1).
+  the tiers (whole 128 KiB sub-chunks, or 4 MiB chunks where a manifest has no sub-chunk CRCs)
+  over the bytes of that rank's slices (goal <= 1.1). These byte counts do not depend on the
+  machine's load; the timings do.
 
 Writes ``bench/results/sharded.json`` and prints a small table. Figures depend on the machine's
 load: run it on an idle machine for numbers to compare.
@@ -122,7 +124,7 @@ def rank_main(mode: str, root: Path, mb: int, rounds: int) -> dict[str, Any]:
         res = ckpt.restore({"model": state})
         out["reshard_restore_s"] = time.perf_counter() - t0
         out["restored_step"] = res.step
-        # bytes read from the tiers (whole checksum chunks) vs this rank's slices of the state
+        # bytes read from the tiers (whole checksummed pieces) vs this rank's slices of the state
         out["read_bytes"] = res.nbytes
         out["needed_bytes"] = sum(t.to_local().numel() * t.element_size() for t in state.values())
         ckpt.close()

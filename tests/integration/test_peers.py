@@ -485,3 +485,119 @@ def test_copies_never_outgrow_the_ram_tier_size_limit(shm_dir: Path, tmp_path: P
     finally:
         for s in services:
             s.close()
+
+
+class _CountingPeerTier(PeerTier):
+    """The real peer tier, counting whole-shard fetches and the bytes of its ranged reads."""
+
+    fetches = 0
+    read_bytes = 0
+
+    def fetch_shard(self, job_id: str, step: int, rank: int, dst_path: Path, verify: bool = True):  # type: ignore[no-untyped-def]
+        type(self).fetches += 1
+        return super().fetch_shard(job_id, step, rank, dst_path, verify)
+
+    def read_range(self, job_id: str, step: int, rank: int, offset: int, nbytes: int) -> bytes:
+        data = super().read_range(job_id, step, rank, offset, nbytes)
+        type(self).read_bytes += len(data)
+        return data
+
+
+def _counting(c: Cluster, node: Node) -> _CountingPeerTier:
+    tier = _CountingPeerTier(c.replacement_tier(node).directory)
+    c.tiers.append(tier)
+    _CountingPeerTier.fetches = _CountingPeerTier.read_bytes = 0
+    return tier
+
+
+def test_ranged_reads_from_a_peer_copy_transfer_only_the_range(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """A resharding read of a lost rank's shard from a peer's replica: ranged GETs of the
+    chunks asked for, verified; never the whole shard."""
+    from strata.tiers.references import read_logical
+
+    c = cluster(3, "replicate")
+    c.wait("replication", c.replicated)
+    lost = c.nodes[1]
+    c.lose(lost)
+    tier = _counting(c, lost)
+    m = tier.get_manifest(JOB, RAM_STEP, 1)
+    got = read_logical(tier, JOB, RAM_STEP, 1, m, CHUNK, 3 * CHUNK)
+    assert bytes(got) == c.shards[1][CHUNK : 3 * CHUNK]
+    end = read_logical(tier, JOB, RAM_STEP, 1, m, 5 * CHUNK, m.data_nbytes)
+    assert bytes(end) == c.shards[1][5 * CHUNK :]
+    assert _CountingPeerTier.fetches == 0
+    assert _CountingPeerTier.read_bytes == 2 * CHUNK + m.data_nbytes - 5 * CHUNK
+
+
+def test_ranged_reads_of_a_rebuilt_shard_rebuild_it_once(cluster: Callable[..., Cluster]) -> None:
+    """A shard only an erasure rebuild can serve is rebuilt once per reader, not per range."""
+    from strata.tiers.references import read_logical
+
+    c = cluster(6, "erasure", k=3, m=2)
+    _wait_parity(c)
+    lost = [c.nodes[1], c.nodes[2]]
+    for n in lost:
+        c.lose(n)
+    tier = _counting(c, lost[0])
+    m = tier.get_manifest(JOB, RAM_STEP, 1)
+    for lo, hi in ((0, CHUNK), (2 * CHUNK, 4 * CHUNK), (CHUNK, 2 * CHUNK)):
+        assert bytes(read_logical(tier, JOB, RAM_STEP, 1, m, lo, hi)) == c.shards[1][lo:hi]
+    assert _CountingPeerTier.fetches == 1
+    tier.drop_fetched()  # the reader closed: a later read rebuilds it again
+    assert bytes(read_logical(tier, JOB, RAM_STEP, 1, m, 0, CHUNK)) == c.shards[1][:CHUNK]
+    assert _CountingPeerTier.fetches == 2
+
+
+def test_the_peer_tier_is_a_reshard_source_when_it_holds_every_shard_of_a_step(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """A 3-rank step whose node 0 is lost: the replacement's peer tier still holds every rank's
+    shard (node 1's and node 2's RAM, node 0's replica), so a job resized to 2 ranks can
+    reshard it from the peers, reading only the ranges it asks for (never whole shards)."""
+    from strata.client.sharded import ShardReader
+    from strata.restore.reshard import pick_reshard, reshard_sources
+
+    c = cluster(3, "replicate")
+    c.wait("replication", c.replicated)
+    lost = c.nodes[0]
+    c.lose(lost)
+    tier = _counting(c, lost)
+    ram = RamTier(lost.ram_dir)
+    got = reshard_sources([ram, tier], JOB, 0, 2, shared=False)
+    inc = tier.get_manifest(JOB, RAM_STEP, 0).incarnation
+    assert got["sources"] == [
+        {"step": RAM_STEP, "world_size": 3, "incarnation": inc, "tier": "peer"}
+    ]
+    # the peer tier serves the ranks that reported it: rank 1's node offers it too
+    other = {**got, "rank": 1}
+    choice = pick_reshard([got, other], 2, ORDER)
+    assert choice is not None and choice.step == RAM_STEP and choice.saved_world_size == 3
+    assert choice.sources == {0: ("peer",), 1: ("peer",)}
+    assert pick_reshard([got], 2, ORDER) is None  # rank 1 reported no source
+    # the reshard read: ranges of every saved rank from the peers, verified, never whole shards
+    reader = ShardReader([tier], JOB, RAM_STEP, inc)
+    for r in range(3):
+        lo, n = CHUNK + 100, CHUNK // 2
+        assert bytes(reader.read(r, lo, n)) == c.shards[r][lo : lo + n]
+    assert reader.served == ["peer"]
+    assert _CountingPeerTier.fetches == 0
+    assert _CountingPeerTier.read_bytes == reader.nbytes_read == 3 * CHUNK
+    reader.close()
+
+
+def test_the_peer_tier_is_no_reshard_source_without_every_shard(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """Two of three nodes lost with one replica each: some rank's shard is on no peer, so the
+    step is no reshard source there."""
+    from strata.restore.reshard import reshard_sources
+
+    c = cluster(3, "replicate")
+    c.wait("replication", c.replicated)
+    for n in c.nodes[:2]:
+        c.lose(n)
+    tier = c.replacement_tier(c.nodes[0])
+    assert len(tier.list_steps(JOB)[RAM_STEP].committed_ranks) < 3
+    assert reshard_sources([tier], JOB, 0, 2, shared=False)["sources"] == []

@@ -108,6 +108,24 @@ def test_two_ranks_to_one_from_the_pvc_reads_what_it_needs(shm_dir: Path, tmp_pa
     assert got[0]["nbytes"] <= 1.1 * got[0]["needed"], got[0]
 
 
+def test_two_ranks_to_four_from_the_pvc_reads_what_it_needs(shm_dir: Path, tmp_path: Path) -> None:
+    """2 -> 4 (growth): each new rank needs half of each saved chunk of one saved rank (0.5-3 MiB
+    slices) and 4 KiB of per-rank values. Verified by the 128 KiB sub-chunk CRCs its manifest
+    records, that costs ~1.05x (the per-rank values' piece); by whole 4 MiB chunks it was ~2x."""
+    from strata.tiers.posix import PosixTier
+
+    pvc = tmp_path / "pvc"
+    _run("save", 2, shm_dir / "old", tmp_path / "o", step=5, pvc=pvc)
+    promote(shm_dir / "old", 2, 5, PosixTier(pvc), job=JOB)
+    shutil.rmtree(shm_dir / "old")
+    got = _run("restore", 4, shm_dir / "new", tmp_path / "o2", pvc=pvc)
+    _check(got, 5, 2)
+    for r in got:
+        assert r["nbytes"] <= 1.1 * r["needed"], r
+    m = PosixTier(pvc).get_manifest(JOB, 5, 0)
+    assert m.sub_crc32c is not None and m.sub_crc32c.size == 128 * 1024, m.sub_crc32c
+
+
 def test_two_ranks_to_four_from_gcs_reads_half_of_each_saved_chunk(
     shm_dir: Path, tmp_path: Path, gcs_emulator: Any, gcs_bucket: str
 ) -> None:
@@ -141,11 +159,18 @@ def _counting(tier_cls: type, *args: Any, **kwargs: Any) -> Any:
 
     class Counting(tier_cls):  # type: ignore[misc]
         read_bytes = 0
+        fetched_bytes = 0
+        """Bytes of the whole data objects fetched (``fetch_shard``)."""
 
         def read_range(self, job_id: str, step: int, rank: int, offset: int, n: int) -> bytes:
             data: bytes = super().read_range(job_id, step, rank, offset, n)
             type(self).read_bytes += len(data)
             return data
+
+        def fetch_shard(self, *args: Any, **kwargs: Any) -> Any:
+            m = super().fetch_shard(*args, **kwargs)
+            type(self).fetched_bytes += m.data_nbytes
+            return m
 
     return Counting(*args, **kwargs)
 
@@ -215,6 +240,51 @@ def test_read_logical_of_an_incremental_copy_reads_only_the_range(
         read_logical(pvc, JOB, 2, 0, m, 3 * cs, 4 * cs)
 
 
+def test_read_logical_verifies_parts_of_chunks_by_their_sub_chunk_crcs(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """A part of a chunk costs its own 128 KiB pieces, from the step's own object and from its
+    base alike; a flipped byte fails only the piece it is in; sub-chunk CRCs that do not combine
+    to their chunk's CRC32C are refused; a manifest without them is read by whole chunks."""
+    from strata.format.manifest import SubChunkCrcs
+    from strata.tiers.posix import PosixTier
+    from strata.tiers.references import chunk_span, read_logical
+
+    pvc = _counting(PosixTier, tmp_path / "pvc", "pvc")
+    m, _ram, logical = _incremental_steps(shm_dir, tmp_path, pvc)
+    cs = m.chunk_size
+    assert m.sub_crc32c is not None
+    g = m.sub_crc32c.size
+    assert g == 128 * 1024 and cs % g == 0
+    for lo, hi in ((3 * cs + g, 3 * cs + 3 * g), (2 * cs + g, 2 * cs + 2 * g)):  # own; base
+        type(pvc).read_bytes = 0
+        assert bytes(read_logical(pvc, JOB, 2, 0, m, lo, hi)) == logical[lo:hi]
+        assert type(pvc).read_bytes == hi - lo
+    assert chunk_span(m, 3 * cs + g + 5, 10) == (3 * cs + g, 3 * cs + 2 * g)
+    # a flipped byte in a referenced piece of the base: that piece fails, its neighbour reads
+    flip_byte(pvc.data_path(JOB, 1, 0), 2 * cs + g + 10)
+    with pytest.raises(ShardCorrupt, match="base step 1"):
+        read_logical(pvc, JOB, 2, 0, m, 2 * cs + g, 2 * cs + 2 * g)
+    assert (
+        bytes(read_logical(pvc, JOB, 2, 0, m, 2 * cs, 2 * cs + g)) == logical[2 * cs : 2 * cs + g]
+    )
+    # sub-chunk CRCs that do not combine to their chunk's CRC32C are not trusted
+    values = list(m.sub_crc32c.values())
+    k0 = 3 * cs // g
+    values[k0], values[k0 + 1] = values[k0 + 1], values[k0]
+    swapped = m.model_copy(update={"sub_crc32c": SubChunkCrcs.of(values, g)})
+    with pytest.raises(ShardCorrupt, match="do not combine"):
+        read_logical(pvc, JOB, 2, 0, swapped, 3 * cs, 3 * cs + g)
+    # a manifest without them (written before they existed): whole chunks, as before
+    old = m.model_copy(update={"sub_crc32c": None})
+    assert chunk_span(old, 3 * cs + g + 5, 10) == (3 * cs, 4 * cs)
+    with pytest.raises(ValueError, match="not aligned"):
+        read_logical(pvc, JOB, 2, 0, old, 3 * cs + g, 3 * cs + 2 * g)
+    type(pvc).read_bytes = 0
+    assert bytes(read_logical(pvc, JOB, 2, 0, old, 3 * cs, 4 * cs)) == logical[3 * cs : 4 * cs]
+    assert type(pvc).read_bytes == cs
+
+
 def test_read_logical_from_gcs_transfers_only_the_range(
     shm_dir: Path, tmp_path: Path, gcs_emulator: Any, gcs_bucket: str
 ) -> None:
@@ -231,5 +301,43 @@ def test_read_logical_from_gcs_transfers_only_the_range(
         assert type(gcs).read_bytes == 2 * cs
         with pytest.raises(ValueError, match="not aligned"):
             read_logical(gcs, JOB, 2, 0, m, 10, cs)
+    finally:
+        gcs.close()
+
+
+def test_incremental_restore_from_gcs_reads_only_the_chunks_it_references_of_its_base(
+    shm_dir: Path, tmp_path: Path, gcs_emulator: Any, gcs_bucket: str
+) -> None:
+    """Reassembling an incremental copy from GCS transfers the state once: the base's referenced
+    chunks by ranged GETs and the step's own chunk, not the whole base and then the step's
+    chunk over it (7 chunks for a 6-chunk state here); a corrupt referenced chunk of the base
+    is refused, naming the base."""
+    from strata.format import layout
+    from strata.tiers.gcs import GcsTier
+    from strata.tiers.references import fetch_full
+
+    gcs = _counting(GcsTier, gcs_emulator.tier_config(gcs_bucket), writer_id="test")
+    try:
+        m, _ram, logical = _incremental_steps(shm_dir, tmp_path, gcs)
+        assert m.refs is not None
+        cs = m.chunk_size
+        type(gcs).read_bytes = type(gcs).fetched_bytes = 0
+        dst = tmp_path / "full"
+        full = fetch_full(gcs, JOB, 2, 0, m, dst)
+        assert dst.read_bytes()[: len(logical)] == logical
+        assert full.crc32c == m.refs.logical_crc32c and full.refs is None
+        assert type(gcs).read_bytes == len(m.refs.chunks) * cs
+        assert type(gcs).read_bytes + type(gcs).fetched_bytes == len(logical)
+        # the base's object rewritten behind Strata's back: a referenced chunk no longer matches
+        blob = (
+            gcs_emulator.client()
+            .bucket(gcs_bucket)
+            .blob(gcs.object_name(layout.data_key(JOB, 1, 0)))
+        )
+        bad = bytearray(blob.download_as_bytes())
+        bad[4 * cs + 10] ^= 0xFF
+        blob.upload_from_string(bytes(bad))
+        with pytest.raises(ShardCorrupt, match=r"base step 1 .*chunk 4 referenced"):
+            fetch_full(gcs, JOB, 2, 0, m, tmp_path / "again", quarantine=False)
     finally:
         gcs.close()

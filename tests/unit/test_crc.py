@@ -65,3 +65,34 @@ def test_first_bad_chunk() -> None:
     assert crc.first_bad_chunk([1, 2, 3], [1, 2, 3]) is None
     assert crc.first_bad_chunk([1, 9, 3], [1, 2, 3]) == 1
     assert crc.first_bad_chunk([1, 2], [1, 2, 3]) == 2
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("nbytes", [0, 1, 1023, 1024, 1025, 4096, 4097, 10_000])
+def test_sub_chunk_crcs_join_to_the_chunks(nbytes: int, threads: int) -> None:
+    data = bytearray(os.urandom(nbytes + 17))
+    chunks, whole, pieces = crc.chunk_and_sub_crcs(data, nbytes, 4096, 1024, threads=threads)
+    assert (chunks, whole) == crc.chunk_crcs(data, nbytes, chunk_size=4096)
+    assert pieces == [
+        google_crc32c.value(bytes(data[i : min(i + 1024, nbytes)])) for i in range(0, nbytes, 1024)
+    ]
+    assert crc.join_pieces(pieces, nbytes, 1024) == whole
+    with pytest.raises(ValueError, match="does not divide"):
+        crc.chunk_and_sub_crcs(data, nbytes, 4096, 1000)
+
+
+def test_sub_chunk_size_only_splits_chunks() -> None:
+    assert crc.sub_chunk_size(4 * 1024 * 1024) == 128 * 1024
+    assert crc.sub_chunk_size(128 * 1024) is None  # one piece per chunk: nothing to gain
+    assert crc.sub_chunk_size(3 * 100_000) is None  # not a multiple
+
+
+def test_sub_chunk_record_round_trips() -> None:
+    from strata.format.manifest import SubChunkCrcs
+
+    values = [0, 1, 2**32 - 1, 0x8A9136AA]
+    rec = SubChunkCrcs.of(values, 1024)
+    again = SubChunkCrcs.model_validate_json(rec.model_dump_json())
+    assert again == rec and again.values() == tuple(values)
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        SubChunkCrcs(size=1024, crc32c="AAAA").values()

@@ -64,8 +64,14 @@ import torch
 from strata.client.unchanged import Signature, storage_signatures
 from strata.errors import StateChanged
 from strata.format import codec
-from strata.format.crc import combine_chunks, crc32c_address
-from strata.format.manifest import StorageEntry
+from strata.format.crc import (
+    combine_chunks,
+    crc32c_address,
+    join_pieces,
+    piece_crcs_at,
+    sub_chunk_size,
+)
+from strata.format.manifest import StorageEntry, SubChunkCrcs
 from strata.tiers.ram import RamTier
 from strata.tiers.slots import Identity, path_identity
 
@@ -246,6 +252,9 @@ class Confirmation:
     """CRC32C of those bytes (combined from the chunk CRCs)."""
     bad: list[int]
     """Skipped storages whose live bytes differ from the slot's (empty: confirmed)."""
+    sub_crc32c: SubChunkCrcs | None = None
+    """CRC32C of every sub-chunk (:func:`strata.format.crc.sub_chunk_size`), computed in the
+    same pass (each chunk's CRC is joined from them); None for chunks that are not split."""
 
 
 def confirm(
@@ -273,9 +282,16 @@ def confirm(
     )
     offsets = [r[0] for r in ranges]
 
-    def one(c0: int) -> tuple[int, list[int]]:
+    sub = sub_chunk_size(chunk_size)
+
+    def one(c0: int) -> tuple[int, list[int], list[int]]:
         c1 = min(c0 + chunk_size, n)
-        real = crc32c_address(slot_addr + c0, c1 - c0)
+        if sub is None:
+            pieces = []
+            real = crc32c_address(slot_addr + c0, c1 - c0)
+        else:
+            pieces = piece_crcs_at(slot_addr + c0, c1 - c0, sub)
+            real = join_pieces(pieces, c1 - c0, sub)
         k = max(0, bisect.bisect_right(offsets, c0) - 1)
         touching = []
         while k < len(ranges) and ranges[k][0] < c1:
@@ -284,7 +300,7 @@ def confirm(
                 touching.append(ranges[k])
             k += 1
         if not touching:
-            return real, []
+            return real, [], pieces
         virt: int | None = 0
         pos = c0
         for off, nb, src, _i in touching:
@@ -297,15 +313,15 @@ def confirm(
         if virt is not None:
             virt = crc32c_address(slot_addr + pos, c1 - pos, virt)
         if virt == real:
-            return real, []
+            return real, [], pieces
         bad = []
         for off, nb, src, i in touching:
             lo, hi = max(off, c0), min(off + nb, c1)
             if crc_live(src + (lo - off), hi - lo) != crc32c_address(slot_addr + lo, hi - lo):
                 bad.append(i)
-        return real, bad
+        return real, bad, pieces
 
-    def run(starts: range) -> list[tuple[int, list[int]]]:
+    def run(starts: range) -> list[tuple[int, list[int], list[int]]]:
         return [one(c0) for c0 in starts]
 
     starts = range(0, n, chunk_size)
@@ -321,7 +337,8 @@ def confirm(
     crcs = [r[0] for r in results]
     bad = sorted({i for r in results for i in r[1]})
     whole = combine_chunks(crcs, n, chunk_size) if crcs else 0
-    return Confirmation(crcs, whole, bad)
+    subs = SubChunkCrcs.of([c for r in results for c in r[2]], sub) if sub and crcs else None
+    return Confirmation(crcs, whole, bad, subs)
 
 
 def live_signatures(

@@ -13,8 +13,9 @@ same or another world size and mesh (docs/architecture.md "Sharded state").
 3. anything else (another world size, another mesh, a plain tensor restored from DTensors):
    the slices it needs are read from the saved owners' shards in the tiers
    (:class:`ShardReader`: this node's RAM, the PVC, GCS, nearest first): only the byte span of
-   each saved chunk that overlaps this rank's slice, rounded out to the checksum chunks that
-   verify it (ranged reads on every tier, GCS included).
+   each saved chunk that overlaps this rank's slice, rounded out to the checksummed pieces that
+   verify it (128 KiB sub-chunks where recorded, else 4 MiB chunks; ranged reads on every tier,
+   GCS included).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from strata.client.device import Device
 from strata.errors import CodecError, RestoreError, ShardUnavailable, TierError
 from strata.format import placement
 from strata.format.codec import dtype_from_name
-from strata.format.incremental import same_logical_shard
+from strata.format.incremental import read_unit, same_logical_shard
 from strata.format.manifest import Manifest, ShardedEntry
 from strata.tiers.base import Tier
 from strata.tiers.references import chunk_span, read_logical
@@ -166,7 +167,8 @@ class ShardedLoad:
 
 
 EDGE_CACHE_CHUNKS = 8
-"""Verified checksum chunks a :class:`ShardReader` keeps (first and last of each read)."""
+"""Verified pieces (sub-chunks, or chunks without sub-chunk CRCs) a :class:`ShardReader` keeps
+(first and last of each read)."""
 
 
 class ShardReader:
@@ -271,16 +273,16 @@ class ShardReader:
         return torch.empty(0, dtype=dt).set_(st, 0, lens, list(te.stride))
 
     def read(self, rank: int, offset: int, nbytes: int) -> bytearray:
-        """``nbytes`` bytes at ``offset`` of ``rank``'s logical data object, verified by chunk
-        CRCs (the covering chunks are read: :func:`strata.tiers.references.chunk_span`). The
-        first and last chunk of every read are kept (:data:`EDGE_CACHE_CHUNKS`, least recently
-        used out): the next slice of a neighbouring tensor starts in the chunk this one ended
-        in, and is not read again."""
+        """``nbytes`` bytes at ``offset`` of ``rank``'s logical data object, verified by its
+        sub-chunk or chunk CRCs (the covering pieces are read:
+        :func:`strata.tiers.references.chunk_span`). The first and last piece of every read are
+        kept (:data:`EDGE_CACHE_CHUNKS`, least recently used out): the next slice of a
+        neighbouring tensor starts in the piece this one ended in, and is not read again."""
         m = self.manifest(rank)
         if nbytes == 0:
             return bytearray()
         self.nbytes_needed += nbytes
-        cs = m.chunk_size
+        cs = read_unit(m)
         start, stop = chunk_span(m, offset, nbytes)
         out = bytearray(stop - start)
         view = memoryview(out)
@@ -317,11 +319,16 @@ class ShardReader:
         for tier in self._tiers_for(rank):
             try:
                 held = self._held(tier, rank, m)
-                buf = read_logical(tier, self.job_id, self.step, rank, held, start, stop)
+                # Another tier's copy may verify coarser pieces (no sub-chunk CRCs): rounded
+                # out to its own.
+                lo, hi = chunk_span(held, start, stop - start)
+                buf = read_logical(tier, self.job_id, self.step, rank, held, lo, hi)
             except (TierError, OSError) as exc:
                 self.notes.append(f"step {self.step} rank {rank}: {tier.name}: {exc}")
                 continue
             self.nbytes_read += len(buf)
+            if (lo, hi) != (start, stop):
+                return buf[start - lo : stop - lo]
             return buf
         raise RestoreError(
             f"rank {rank}'s shard of step {self.step}: no tier served verified bytes "
@@ -343,9 +350,13 @@ class ShardReader:
         return held
 
     def close(self) -> None:
-        """Forget the manifests and cached chunks (a later read reads them again)."""
+        """Forget the manifests and cached chunks (a later read reads them again), and the
+        local copies tiers without ranged reads fetched for this reader
+        (:meth:`strata.tiers.base.Tier.drop_fetched`)."""
         self._manifests.clear()
         self._edges.clear()
+        for tier in self.tiers:
+            tier.drop_fetched()
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -139,6 +139,7 @@ class SlotCommit:
                     "chunk_crc32c": res.chunk_crc32c,
                     "crc32c": res.crc32c,
                     "unchanged_since": unchanged,
+                    "sub_crc32c": res.sub_crc32c,
                 }
             )
             self.ram.commit_slot(

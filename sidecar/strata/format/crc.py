@@ -18,6 +18,7 @@ falls back to ``google_crc32c.value(bytes(chunk))``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import mmap
 import os
@@ -28,7 +29,7 @@ from pathlib import Path
 import google_crc32c
 
 from strata.errors import ShardCorrupt
-from strata.format.manifest import DEFAULT_CHUNK_SIZE, Manifest
+from strata.format.manifest import DEFAULT_CHUNK_SIZE, SUB_CHUNK_SIZE, Manifest
 
 _POLY = 0x82F63B78
 """CRC32C polynomial, reflected (bit-reversed 0x1EDC6F41)."""
@@ -135,6 +136,64 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
+@functools.lru_cache(maxsize=8)
+def _shift_tables(nbytes: int) -> tuple[tuple[int, ...], ...]:
+    """Four 256-entry tables applying "append ``nbytes`` zero bytes" to a CRC register, a byte
+    of it each: a combine over a fixed length is then four lookups (:func:`join_pieces`)."""
+    mat = [1 << n for n in range(32)]  # identity
+    k = 0
+    n = nbytes
+    while n:
+        if n & 1:
+            mat = [_gf2_times(_ZERO_OPS[k], v) for v in mat]
+        n >>= 1
+        k += 1
+    return tuple(tuple(_gf2_times(mat, b << (8 * j)) for b in range(256)) for j in range(4))
+
+
+def join_pieces(piece_crcs: Sequence[int], nbytes: int, piece_size: int) -> int:
+    """CRC32C of ``nbytes`` bytes from the CRCs of its consecutive ``piece_size`` pieces (the
+    last one may be shorter): :func:`combine_chunks` at a few table lookups per piece (the save
+    path derives every chunk's CRC from its sub-chunks' so)."""
+    expected = n_chunks(nbytes, piece_size)
+    if len(piece_crcs) != expected:
+        raise ValueError(f"{len(piece_crcs)} piece CRCs for {nbytes} bytes, expected {expected}")
+    if not piece_crcs:
+        return 0
+    t0, t1, t2, t3 = _shift_tables(piece_size)
+    total = piece_crcs[0]
+    last = len(piece_crcs) - 1
+    for i in range(1, last):
+        total = (
+            t0[total & 255] ^ t1[(total >> 8) & 255] ^ t2[(total >> 16) & 255] ^ t3[total >> 24]
+        ) ^ piece_crcs[i]
+    if last:
+        tail = nbytes - last * piece_size
+        if tail == piece_size:
+            total = (
+                t0[total & 255] ^ t1[(total >> 8) & 255] ^ t2[(total >> 16) & 255] ^ t3[total >> 24]
+            ) ^ piece_crcs[last]
+        else:
+            total = crc32c_combine(total, piece_crcs[last], tail)
+    return total
+
+
+def sub_chunk_size(chunk_size: int, sub_size: int = SUB_CHUNK_SIZE) -> int | None:
+    """The sub-chunk size the save path records for ``chunk_size`` chunks: ``sub_size`` when it
+    divides them into two or more pieces, else None (no sub-chunk CRCs)."""
+    if 0 < sub_size < chunk_size and chunk_size % sub_size == 0:
+        return sub_size
+    return None
+
+
+def piece_crcs_at(addr: int, nbytes: int, piece_size: int) -> list[int]:
+    """CRC32C of every ``piece_size`` piece of the ``nbytes`` bytes at CPU address ``addr``
+    (the caller keeps them mapped and unchanged; no GIL held during each piece)."""
+    return [
+        crc32c_address(addr + a, min(piece_size, nbytes - a)) for a in range(0, nbytes, piece_size)
+    ]
+
+
 def combine_chunks(chunk_crcs: Sequence[int], nbytes: int, chunk_size: int) -> int:
     """Whole-object CRC32C from the CRCs of consecutive ``chunk_size`` chunks of ``nbytes`` bytes."""
     expected = n_chunks(nbytes, chunk_size)
@@ -179,6 +238,58 @@ def chunk_crcs(
         view.release()
     whole = combine_chunks(crcs, n, chunk_size) if crcs else 0
     return crcs, whole
+
+
+def chunk_and_sub_crcs(
+    data: Buffer, nbytes: int, chunk_size: int, sub_size: int, threads: int = 1
+) -> tuple[list[int], int, list[int]]:
+    """:func:`chunk_crcs` that also returns the CRC32C of every ``sub_size`` piece (``sub_size``
+    divides ``chunk_size``): one pass, each chunk's CRC joined from its pieces'
+    (:func:`join_pieces`). Returns (chunk CRCs, whole CRC, piece CRCs)."""
+    if chunk_size % sub_size:
+        raise ValueError(f"sub-chunk size {sub_size} does not divide the chunk size {chunk_size}")
+    view = memoryview(data).cast("B")
+    if nbytes > len(view):
+        raise ValueError(f"asked to checksum {nbytes} bytes of a {len(view)}-byte buffer")
+    starts = range(0, nbytes, chunk_size)
+
+    def one(start: int) -> tuple[int, list[int]]:
+        stop = min(start + chunk_size, nbytes)
+        pieces = []
+        for a in range(start, stop, sub_size):
+            with view[a : min(a + sub_size, stop)] as piece:
+                pieces.append(_crc_view(piece))
+        return join_pieces(pieces, stop - start, sub_size), pieces
+
+    try:
+        if threads > 1 and len(starts) > 1:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="strata-crc") as pool:
+                results = list(pool.map(one, starts))
+        else:
+            results = [one(s) for s in starts]
+    finally:
+        view.release()
+    crcs = [r[0] for r in results]
+    subs = [c for r in results for c in r[1]]
+    whole = combine_chunks(crcs, nbytes, chunk_size) if crcs else 0
+    return crcs, whole, subs
+
+
+def file_chunk_and_sub_crcs(
+    path: str | os.PathLike[str], nbytes: int, chunk_size: int, sub_size: int, threads: int = 1
+) -> tuple[list[int], int, list[int]]:
+    """:func:`chunk_and_sub_crcs` of the first ``nbytes`` of the file at ``path``; raises as
+    :func:`file_chunk_crcs` does."""
+    if nbytes == 0:
+        return [], 0, []
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < nbytes:
+            raise ValueError(f"{Path(path)} holds {size} bytes, the manifest records {nbytes}")
+        with mmap.mmap(
+            f.fileno(), nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        ) as mm:
+            return chunk_and_sub_crcs(mm, nbytes, chunk_size, sub_size, threads)
 
 
 def file_chunk_crcs(

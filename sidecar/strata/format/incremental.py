@@ -46,6 +46,30 @@ def logical_chunk_crcs(m: Manifest) -> list[int] | None:
     return m.refs.logical_chunk_crc32c if m.refs is not None else m.chunk_crc32c
 
 
+def logical_sub_crcs(m: Manifest) -> tuple[int, tuple[int, ...]] | None:
+    """(piece size, CRC32C of every piece of the logical object) when ``m`` records usable
+    sub-chunk CRCs (:class:`~strata.format.manifest.SubChunkCrcs`: a size that splits the chunks,
+    one CRC per piece); None otherwise (a manifest without them, or with a malformed record:
+    whole chunks are read and verified, as before)."""
+    s = m.sub_crc32c
+    if s is None or s.size >= m.chunk_size or m.chunk_size % s.size:
+        return None
+    try:
+        values = s.values()
+    except ValueError:
+        return None
+    if len(values) != crc.n_chunks(logical_nbytes(m), s.size):
+        return None
+    return s.size, values
+
+
+def read_unit(m: Manifest) -> int:
+    """Bytes per piece a ranged read of ``m``'s logical object verifies on its own: the
+    sub-chunk size when recorded (:func:`logical_sub_crcs`), else ``m.chunk_size``."""
+    subs = logical_sub_crcs(m)
+    return subs[0] if subs is not None else m.chunk_size
+
+
 def same_logical_shard(a: Manifest, b: Manifest) -> bool:
     """``a`` and ``b`` describe the same logical bytes (full or incremental copies alike)."""
     return logical_crc(a) == logical_crc(b) and logical_nbytes(a) == logical_nbytes(b)

@@ -123,6 +123,7 @@ def project(m: Manifest, components: Sequence[str]) -> tuple[Manifest, list[Piec
             "data_nbytes": at,
             "chunk_crc32c": None,
             "crc32c": None,
+            "sub_crc32c": None,
             "unchanged_since": unchanged,
             "components": sorted(str(k) for k, _ in kept),
         }

@@ -40,14 +40,13 @@ from strata.peers.pull import copy_shard, fetch_manifest
 from strata.peers.store import PeerStore
 from strata.peers.tier import PeerTier
 from strata.peers.transport import PeerServer, Reply, TokenBucket, tls_context
-from strata.peers.wire import PeerInventory, ShardSummary
+from strata.peers.wire import MAX_RANGE, PeerInventory, ShardSummary
 from strata.tiers.base import parse_manifest
 from strata.tiers.ram import RamTier
 from strata.tiers.slots import SlotLease
 
 log = logging.getLogger(__name__)
 
-MAX_RANGE = 64 * 1024 * 1024
 FULL_POLL_ROUNDS = 15
 _ROUTE = re.compile(
     r"^/v1/(?:(?P<ram>ram)/(?P<rs>\d+)/(?P<rr>\d+)"

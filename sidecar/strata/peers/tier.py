@@ -29,7 +29,7 @@ from strata.peers.directory import PeerDirectory
 from strata.peers.erasure import decode
 from strata.peers.pull import CorruptCopy, copy_shard, fetch_chunk, fetch_manifest
 from strata.peers.transport import PeerError
-from strata.peers.wire import ParityColumn, ParityRecord, PeerInventory, locate
+from strata.peers.wire import MAX_RANGE, ParityColumn, ParityRecord, PeerInventory, locate
 from strata.tiers.base import StepListing, Tier, parse_manifest
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,35 @@ class PeerTier(Tier):
             f"no peer could serve rank {rank} of step {step}: " + "; ".join(skipped)
         )
 
+    def read_range(self, job_id: str, step: int, rank: int, offset: int, nbytes: int) -> bytes:
+        """Bytes ``[offset, offset + nbytes)`` of the shard, NOT verified (the caller checks
+        them against the manifest: :func:`strata.tiers.references.read_logical`), by ranged
+        GETs (at most :data:`~strata.peers.wire.MAX_RANGE` bytes each) of the first full copy
+        that answers: a peer's own RAM tier, then replicas. A shard that only an erasure
+        rebuild can serve is rebuilt whole once (verified) and read locally from then on
+        (:meth:`Tier.read_range`'s default). Raises :class:`ShardUnavailable` when no peer can
+        serve it."""
+        if nbytes <= 0:
+            return b""
+        self._inventories(refresh=False)
+        for pid, base in self.copies(step, rank):
+            client = self.directory.client(pid)
+            parts: list[bytes] = []
+            done = 0
+            try:
+                while done < nbytes:
+                    want = min(MAX_RANGE, nbytes - done)
+                    piece = client.get(f"{base}/data", {"offset": offset + done, "length": want})
+                    parts.append(piece)
+                    done += len(piece)
+                    if len(piece) < want:
+                        break  # the object ends first
+            except PeerError as exc:
+                self.notes.append(f"peer {pid}: ranged read of step {step} rank {rank}: {exc}")
+                continue
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        return super().read_range(job_id, step, rank, offset, nbytes)
+
     def _rebuild(
         self, job_id: str, step: int, rank: int, dst: Path, skipped: list[str]
     ) -> Manifest:
@@ -279,7 +308,9 @@ class PeerTier(Tier):
         return data + bytes(B - len(data))
 
     def close(self) -> None:
-        """Close the kept-alive connections to the peers."""
+        """Close the kept-alive connections to the peers; remove rebuilt shards kept for
+        ranged reads."""
+        self.drop_fetched()
         self.directory.close()
 
     # -- not for this tier ------------------------------------------------------------------------

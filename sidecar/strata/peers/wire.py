@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from strata.format.manifest import Manifest
 
 WIRE_VERSION = 1
+MAX_RANGE = 64 * 1024 * 1024
+"""Most bytes one ``GET .../data?offset=&length=`` asks a peer for (the service refuses more)."""
 
 
 class _Frozen(BaseModel):

@@ -23,11 +23,15 @@ Reshard sources (:func:`reshard_sources`): a tier is a source of step ``S`` for 
 holds every shard of one committed copy of ``S`` of one incarnation: a shared tier (PVC, GCS)
 with a global commit record that verifies and whose shards are all there (only the commit
 records of steps of other world sizes are read), or this node's RAM tier when it holds every
-rank's checksummed shard of one incarnation (several ranks of one pod). The ranks all-gather
+rank's checksummed shard of one incarnation (several ranks of one pod), or the peer tier when
+the job's other nodes hold, between their RAM tiers and the copies they keep for their peers
+(replicas, erasure-coded parity), every rank's checksummed shard of one incarnation: checked
+like RAM, by every rank's manifest, since peers keep no commit records. The ranks all-gather
 their sources and :func:`pick_reshard` (pure) chooses the same step on every rank: the newest
 step of the live lineage (incarnation records, :class:`strata.format.incarnation.Lineage`) for
-which every rank of this world has a source; a RAM source serves only the ranks that reported
-it. The peer tier is not a reshard source (it holds single shards without commit records).
+which every rank of this world has a source; a RAM or peer source serves only the ranks that
+reported it (what a node's peers hold differs from node to node: its own RAM is not among
+them).
 
 Sources: torch DCP and Orbax reshard DTensor / ``jax.Array`` state on load without being asked;
 DCP also refuses to guess per-rank ``BytesIO`` entries at another world size.
@@ -51,8 +55,9 @@ from strata.tiers.records import committed_steps, read_incarnations
 
 log = logging.getLogger("strata.restore")
 
-LOCAL_SOURCES: frozenset[str] = frozenset({"ram"})
-"""Tiers whose content only the reporting rank (its node) can read."""
+LOCAL_SOURCES: frozenset[str] = frozenset({"ram", "peer"})
+"""Tiers whose content only the reporting rank (its node) can read: its RAM tier, and its peer
+tier (the other nodes' copies as this node's sidecar reaches them)."""
 
 PER_RANK_RULE = (
     "rank r takes the per-rank values of saved rank r; a rank beyond the saved world size those "
@@ -254,8 +259,9 @@ def reshard_sources(
     "records": [incarnation records as JSON-mode dicts]}``: one entry per tier holding every
     shard of a committed copy of a step written at another world size (see the module
     docstring). Shared tiers: only the commit records of steps listed with another world size
-    are read; a bad or stale record, or an archive-only copy, is no source. RAM: the step's
-    manifests (local files) must all be checksummed, of one incarnation and world size. A tier
+    are read; a bad or stale record, or an archive-only copy, is no source. RAM and the peer
+    tier: the step's manifests (local files; from the peers, one request per rank) must all be
+    checksummed, of one incarnation and world size. A tier
     that cannot be listed is skipped (logged). Never raises for a tier's failure.
     ``shared=False``: list this node's RAM tier only (a shared tier's sources serve every rank,
     so with torch.distributed one rank lists them for all: one listing of GCS, not one per rank).
@@ -281,7 +287,7 @@ def reshard_sources(
             continue
         try:
             if tier.name in LOCAL_SOURCES:
-                found = _ram_sources(tier, job_id, other)
+                found = _every_manifest_sources(tier, job_id, other)
             else:
                 commits = committed_steps(
                     tier, job_id, [s for s, e in other.items() if e.has_commit]
@@ -299,7 +305,11 @@ def reshard_sources(
     return {"rank": rank, "sources": sources, "records": list(records.values())}
 
 
-def _ram_sources(tier: Tier, job_id: str, listing: Mapping[int, Any]) -> list[tuple[int, int, str]]:
+def _every_manifest_sources(
+    tier: Tier, job_id: str, listing: Mapping[int, Any]
+) -> list[tuple[int, int, str]]:
+    """(step, world size, incarnation) of the listed steps whose every rank's manifest ``tier``
+    serves, checksummed, of one incarnation and world size, not archive-only."""
     out = []
     for step, entry in listing.items():
         w = entry.world_size

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import abc
 import os
+import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from strata.config import TierName
 from strata.errors import ManifestError, ShardCorrupt, ShardUnavailable, TierError
@@ -194,15 +197,40 @@ class Tier(abc.ABC):
         Fewer bytes only when the object ends first (the caller calls that truncated). Raises
         :class:`ShardUnavailable` when there is no data object, another :class:`TierError` when
         the medium fails. Default: ``pread`` of :meth:`data_path`; a tier without local files
-        and no override fetches the whole shard (verified) into a temporary file first.
+        and no override fetches the whole shard (verified) into a local temporary file ONCE
+        and reads every later range of that shard from it, until :meth:`drop_fetched` (a
+        resharding reader calls it when it closes; an object that nothing references any more
+        is removed when collected). That costs local disk the size of every shard so read.
         """
         path = self.data_path(job_id, step, rank)
         if path is None:
-            with tempfile.TemporaryDirectory(prefix="strata-range-") as tmp:
-                local = Path(tmp) / "data"
-                self.fetch_shard(job_id, step, rank, local, verify=True)
-                return _pread_file(local, offset, nbytes)
+            path = self._fetched(job_id, step, rank)
         return _pread_file(path, offset, nbytes)
+
+    def _fetched(self, job_id: str, step: int, rank: int) -> Path:
+        """A local, verified copy of the shard's data object (fetched on first use)."""
+        cache: dict[tuple[str, int, int], tuple[Path, Any]]  # (data file, its weakref.finalize)
+        cache = self.__dict__.setdefault("_fetched_copies", {})
+        key = (job_id, step, rank)
+        held = cache.get(key)
+        if held is not None and held[1].alive:
+            return held[0]
+        tmp = Path(tempfile.mkdtemp(prefix="strata-range-"))
+        # Removed by drop_fetched, else when this tier is collected or the process exits.
+        gone = weakref.finalize(self, shutil.rmtree, tmp, ignore_errors=True)
+        try:
+            self.fetch_shard(job_id, step, rank, tmp / "data", verify=True)
+        except BaseException:
+            gone()
+            raise
+        cache[key] = (tmp / "data", gone)
+        return tmp / "data"
+
+    def drop_fetched(self) -> None:
+        """Remove the local copies the default :meth:`read_range` fetched (none: nothing)."""
+        cache = self.__dict__.pop("_fetched_copies", {})
+        for _path, gone in cache.values():
+            gone()
 
     def verify_shard(self, job_id: str, step: int, rank: int) -> Manifest:
         """Check the committed copy against its manifest (length, CRC32C) and return the

@@ -37,7 +37,7 @@ from pathlib import Path
 from strata import faults
 from strata.errors import ShardUnavailable, TierError, TierFull
 from strata.format import crc, layout
-from strata.format.manifest import Manifest
+from strata.format.manifest import Manifest, SubChunkCrcs
 from strata.tiers.base import InPlaceShard
 from strata.tiers.posix import PosixTier
 from strata.tiers.posix_io import copy_range, remove_quietly
@@ -204,8 +204,10 @@ class RamTier(PosixTier):
         chunk_crc32c: list[int],
         crc32c: int,
         unchanged_since: list[int] | None = None,
+        sub_crc32c: SubChunkCrcs | None = None,
     ) -> Manifest | None:
-        """Record checksums in a committed, not yet checksummed manifest (caller holds a lease).
+        """Record checksums in a committed, not yet checksummed manifest (caller holds a lease);
+        ``sub_crc32c``: also the sub-chunk CRCs computed with them (None: none recorded).
 
         Returns the manifest as now committed, or None (changing nothing) when the shard is no
         longer committed or already has checksums.
@@ -219,6 +221,8 @@ class RamTier(PosixTier):
         update: dict[str, object] = {"chunk_crc32c": chunk_crc32c, "crc32c": crc32c}
         if unchanged_since is not None:
             update["unchanged_since"] = unchanged_since
+        if sub_crc32c is not None:
+            update["sub_crc32c"] = sub_crc32c
         updated = current.model_copy(update=update)
         self.write_manifest(job_id, step, rank, updated)
         return updated
@@ -231,10 +235,18 @@ class RamTier(PosixTier):
         m = lease.manifest
         if m is None:
             return None
-        crcs, whole = crc.file_chunk_crcs(lease.path, m.data_nbytes, m.chunk_size)
+        sub = crc.sub_chunk_size(m.chunk_size)
+        subs: SubChunkCrcs | None = None
+        if sub is None:
+            crcs, whole = crc.file_chunk_crcs(lease.path, m.data_nbytes, m.chunk_size)
+        else:
+            crcs, whole, pieces = crc.file_chunk_and_sub_crcs(
+                lease.path, m.data_nbytes, m.chunk_size, sub
+            )
+            subs = SubChunkCrcs.of(pieces, sub)
         faults.point("seal.before")
         return self.update_checksums(
-            lease.job_id, lease.step, lease.rank, crcs, whole, unchanged_since
+            lease.job_id, lease.step, lease.rank, crcs, whole, unchanged_since, subs
         )
 
     def read_in_place(
