@@ -22,7 +22,9 @@ them, for one tier and one sidecar's view:
   step is listed by one sidecar, and the duty rotates.
 
 A node behind the job (the tier names a newer incarnation than its own) collects nothing (its
-view is out of date). Deletion is the tier's ``delete_step``: the commit record first, then
+view is out of date). No live step can reference a collected step as the base of an incremental
+copy: a base is an older step of the same incarnation (:func:`strata.format.incremental.plan_refs`),
+so it is live as long as the step referencing it is. Deletion is the tier's ``delete_step``: the commit record first, then
 manifests, then data (GCS: each object pinned to the generation listed, so an object rewritten
 since is kept).
 """
