@@ -70,3 +70,34 @@ def test_list_shows_the_commit_record_and_verify_checks_it(
             ("pvc", "commit.json", "corrupt")
         ]
         assert doc["summary"]["bad"] == 1
+
+
+def test_plan_names_a_superseded_step_instead_of_calling_its_ranks_missing(
+    tmp_path: Path, shm_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The PVC holds incarnation X's committed steps 10 and 30; the job restored 10 since
+    (incarnation Y), so 30 is superseded. ``strata plan`` picks 10 and says why 30 is not
+    restorable (the step rule of strata.tiers.eligible); it used to list 30 as committed and
+    then report it with no rank missing."""
+    from strata.format.incarnation import Incarnation
+    from strata.tiers.ram import RamTier
+    from strata.tiers.records import commit_if_complete, write_incarnation
+    from tests.fixtures.sidecar import write_ram_shard
+
+    x = Incarnation(job_id=JOB, id="20260101T000000000000Z-aaaaaaaa", world_size=1)
+    y = Incarnation(
+        job_id=JOB, id="20260102T000000000000Z-bbbbbbbb", parent=x.id, base_step=10, world_size=1
+    )
+    pvc = PosixTier(tmp_path / "pvc", "pvc")
+    staging = RamTier(shm_dir, keep=1)
+    for step in (10, 30):
+        m = write_ram_shard(staging, JOB, step, 0, bytes([step]) * 5000)
+        m = m.model_copy(update={"incarnation": x.id})
+        pvc.put_shard(JOB, step, 0, staging.data_path(JOB, step, 0), m)
+        assert commit_if_complete(pvc, JOB, step, "t", records=[x]) is not None
+    write_incarnation(pvc, y)
+    assert main(["plan", str(pvc.root), "--job", JOB, "--world-size", "1", "-o", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["step"] == 10
+    assert doc["newer_steps_skipped"] == []
+    assert any("step 30" in n and "superseded" in n for n in doc["notes"]), doc["notes"]

@@ -25,11 +25,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from strata.client.sidecar_client import SidecarClient, connect
 from strata.config import StrataConfig
 from strata.errors import SlotsBusy, StageError, TierError, TierFull
+from strata.format.incarnation import Incarnation
 from strata.reports import REPORT_PATH, SidecarReport
 from strata.sidecar.janitor import HEARTBEAT_NAME
 from strata.tiers.gcs import GcsTier
 from strata.tiers.posix import PosixTier
 from strata.tiers.ram import RamTier
+from strata.tiers.records import commit_if_complete, write_incarnation
 from tests.fixtures.gcs import GcsEmulator
 from tests.fixtures.sidecar import (
     ReportReceiver,
@@ -128,12 +130,46 @@ def test_start_up_prefetches_the_newest_durable_step_for_ranks_the_ram_tier_know
     staging = RamTier(tmp_path / "staging", keep=1)
     m = write_ram_shard(staging, JOB, 50, 0, payload(50))
     pvc.put_shard(JOB, 50, 0, staging.data_path(JOB, 50, 0), m)
+    assert commit_if_complete(pvc, JOB, 50, "test") is not None
     side = sidecar_proc(config_for(shm_dir, tmp_path / "pvc"))
     wait_until(  # committed, not merely listed (the data is linked before the manifest)
         lambda: 50 in ram.complete_steps(JOB), what="step 50 prefetched into RAM"
     )
     assert committed_bytes(ram, 50) == payload(50)
     wait_until(lambda: any(e.get("event") == "prefetched" for e in side.log_events()), what="log")
+
+
+def test_start_up_prefetch_takes_the_newest_eligible_step_as_the_restore_would(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    """The PVC holds incarnation X's steps 10 and 30 (committed) and 40 (every shard there, no
+    commit record: its commit never happened); the job restored step 10 since (incarnation Y),
+    so 30 is superseded. The prefetch stages 10, the step a restore picks, not 30 nor 40. The
+    previous prefetch took the newest step complete by its manifests (40)."""
+    x = Incarnation(job_id=JOB, id="20260101T000000000000Z-aaaaaaaa", world_size=1)
+    y = Incarnation(
+        job_id=JOB, id="20260102T000000000000Z-bbbbbbbb", parent=x.id, base_step=10, world_size=1
+    )
+    ram, pvc = RamTier(shm_dir, keep=1), PosixTier(tmp_path / "pvc")
+    m = write_ram_shard(ram, JOB, 5, 0, payload(5))
+    ram.write_manifest(JOB, 5, 0, m.model_copy(update={"incarnation": x.id}))
+    staging = RamTier(tmp_path / "staging", keep=1)
+    for step in (10, 30, 40):
+        m = write_ram_shard(staging, JOB, step, 0, payload(step))
+        m = m.model_copy(update={"incarnation": x.id})
+        pvc.put_shard(JOB, step, 0, staging.data_path(JOB, step, 0), m)
+        if step != 40:
+            assert commit_if_complete(pvc, JOB, step, "test", records=[x]) is not None
+    write_incarnation(pvc, y)
+    side = sidecar_proc(config_for(shm_dir, tmp_path / "pvc"))
+    wait_until(
+        lambda: any(e.get("event") == "prefetch-done" for e in side.log_events()),
+        what="the start-up prefetch to finish",
+    )
+    staged = [e.get("step") for e in side.log_events() if e.get("event") == "prefetched"]
+    assert staged == [10]
+    assert 10 in ram.complete_steps(JOB) and committed_bytes(ram, 10) == payload(10)
+    assert not {30, 40} & set(ram.list_steps(JOB))
 
 
 def run_sidecar_once(

@@ -42,7 +42,8 @@ from strata.format.incremental import logical_nbytes
 from strata.format.manifest import Manifest
 from strata.restore.plan import LOCAL_TIERS
 from strata.tiers.base import Tier
-from strata.tiers.records import committed_steps, lineage, verify_commit
+from strata.tiers.eligible import TierSteps, job_lineage, tier_steps
+from strata.tiers.records import verify_commit
 
 log = logging.getLogger("strata.dcp")
 
@@ -306,24 +307,30 @@ VERIFY_PIECE = 64 << 20
 """Bytes read at a time when a step is verified before it is chosen."""
 
 
-def _candidates(tiers: Sequence[Tier], job_id: str, notes: list[str]) -> dict[int, str | None]:
+def _candidates(
+    tiers: Sequence[Tier], job_id: str, notes: list[str], life: Lineage
+) -> dict[int, str | None]:
     """step -> incarnation of its commit record (None: no record; the shards must then agree)
-    for every step that is committed somewhere: a commit record that still describes the shards
-    next to it in a shared tier, or every rank's shard committed in the tiers read together."""
+    for every step that is committed somewhere: a commit record of an eligible step
+    (:mod:`strata.tiers.eligible`) that still describes the shards next to it in a shared tier,
+    or every rank's shard committed in the tiers read together."""
     out: dict[int, str | None] = {}
     ranks: dict[int, set[int]] = {}
     worlds: dict[int, int] = {}
     for tier in tiers:
         try:
             listing = tier.list_steps(job_id)
-            commits = (
-                {}
+            found = (
+                TierSteps()
                 if tier.name in LOCAL_TIERS
-                else committed_steps(tier, job_id, [s for s, e in listing.items() if e.has_commit])
+                else tier_steps(tier, job_id, life, [s for s, e in listing.items() if e.has_commit])
             )
         except (TierError, OSError) as exc:
             notes.append(f"{tier.name}: not searched: {exc}")
             continue
+        commits = found.eligible
+        for step, c in found.dead.items():
+            notes.append(f"{tier.name}: {life.why_dead(c.incarnation, step)}")
         for step, c in commits.items():
             problems = verify_commit(tier, c)
             if problems:
@@ -386,9 +393,9 @@ def intact_step(
     (None, None, notes) when no step is intact.
     """
     notes: list[str] = []
-    cands = _candidates(tiers, job_id, notes)
+    life = job_lineage(tiers, job_id)
+    cands = _candidates(tiers, job_id, notes, life)
     everyone = sorted({s for c in gather(sorted(cands)) for s in c}, reverse=True)
-    life = lineage(tiers, job_id)
     for step in everyone:
         reader, why = (None, f"step {step}: not committed in any tier this rank reads")
         if step in cands:

@@ -11,9 +11,11 @@ from typing import Any
 
 from strata.errors import ShardCorrupt, TierError
 from strata.format.commit import StepCommit
+from strata.format.incarnation import Incarnation, Lineage
 from strata.restore.plan import LOCAL_TIERS, RankInventory
 from strata.tiers.base import StepListing, Tier
-from strata.tiers.records import committed_steps, read_incarnations, read_manifest_raw
+from strata.tiers.eligible import tier_steps
+from strata.tiers.records import read_incarnations, read_manifest_raw
 
 RESHARD_ONLY = (
     "only a resharding restore can load it (the client's default when the state allows it; "
@@ -35,8 +37,10 @@ def collect_inventory(
     shared tier's (PVC, GCS) step with a global commit record for every rank when the record
     verifies and this rank's shard there is the one it committed (else the step is unusable for
     this rank), and without a record for this rank alone, with its shard's incarnation (the
-    plan only combines shards of one live incarnation). Every incarnation record
-    found goes into the inventory for the plan's lineage.
+    plan only combines shards of one live incarnation). A shared tier's committed steps are
+    those :func:`strata.tiers.eligible.tier_steps` calls eligible in the lineage of every
+    record this rank found (a dead one is noted and left out); every record goes into the
+    inventory too, so that the plan applies the lineage of all ranks' records together.
     A manifest that fails its seal or names another shard is a corrupt copy: it is quarantined
     there, so it is never listed again and never served.
     """
@@ -46,28 +50,47 @@ def collect_inventory(
     unusable: dict[str, frozenset[int]] = {}
     records: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
+    listings: dict[str, dict[int, StepListing]] = {}
+    found: dict[str, Incarnation] = {}
     for tier in tiers:
         try:
-            listing = tier.list_steps(job_id)
+            listings[tier.name] = tier.list_steps(job_id)
             for rec in read_incarnations(tier, job_id):
+                found.setdefault(rec.id, rec)
                 records.setdefault(rec.id, rec.model_dump(mode="json"))
         except (TierError, OSError) as exc:
             notes.append(f"{tier.name}: not searched: {exc}")
+    lin = Lineage(found.values())
+    for tier in tiers:
+        if tier.name not in listings:
             continue
+        listing = listings[tier.name]
         c: dict[int, frozenset[int]] = {}
         p: dict[int, frozenset[int]] = {}
         inc: dict[int, str] = {}
         bad: set[int] = set()
         local = tier.name in LOCAL_TIERS
-        commits = (
-            {}
-            if local
-            else committed_steps(tier, job_id, [s for s, e in listing.items() if e.has_commit])
-        )
+        try:
+            steps = (
+                None
+                if local
+                else tier_steps(tier, job_id, lin, [s for s, e in listing.items() if e.has_commit])
+            )
+        except (TierError, OSError) as exc:
+            notes.append(f"{tier.name}: not searched: {exc}")
+            continue
+        commits = steps.eligible if steps is not None else {}
+        dead = steps.dead if steps is not None else {}
         for step, entry in listing.items():
             if entry.partial_ranks:
                 p[step] = entry.partial_ranks
             if not entry.committed_ranks:
+                continue
+            if step in dead:
+                notes.append(
+                    f"{tier.name}: step {step} skipped: "
+                    + lin.why_dead(dead[step].incarnation, step)
+                )
                 continue
             if not local and step in commits:
                 why = _global_commit(tier, job_id, step, rank, world_size, commits[step])

@@ -51,7 +51,8 @@ from strata.errors import CommitError, ConfigError, RestoreError, TierError
 from strata.format.incarnation import Incarnation, Lineage
 from strata.format.manifest import Manifest
 from strata.tiers.base import Tier
-from strata.tiers.records import committed_steps, read_incarnations
+from strata.tiers.eligible import tier_steps
+from strata.tiers.records import read_incarnations
 
 log = logging.getLogger("strata.restore")
 
@@ -259,48 +260,65 @@ def reshard_sources(
     "records": [incarnation records as JSON-mode dicts]}``: one entry per tier holding every
     shard of a committed copy of a step written at another world size (see the module
     docstring). Shared tiers: only the commit records of steps listed with another world size
-    are read; a bad or stale record, or an archive-only copy, is no source. RAM and the peer
-    tier: the step's manifests (local files; from the peers, one request per rank) must all be
-    checksummed, of one incarnation and world size. A tier
+    are read, and a step is a source only when :func:`strata.tiers.eligible.tier_steps` calls
+    it eligible (committed and live in the lineage of the records found); a bad or stale record,
+    a dead step, or an archive-only copy, is no source. RAM and the peer tier: the step's
+    manifests (local files; from the peers, one request per rank) must all be checksummed, of
+    one live incarnation and world size. A tier
     that cannot be listed is skipped (logged). Never raises for a tier's failure.
     ``shared=False``: list this node's RAM tier only (a shared tier's sources serve every rank,
     so with torch.distributed one rank lists them for all: one listing of GCS, not one per rank).
     """
     sources: list[dict[str, Any]] = []
     records: dict[str, dict[str, Any]] = {}
+    found: dict[str, Incarnation] = {}
+    listings: dict[str, dict[int, Any]] = {}
     for tier in tiers:
         if not shared and tier.name not in LOCAL_SOURCES:
             continue
         try:
-            listing = tier.list_steps(job_id)
+            listings[tier.name] = tier.list_steps(job_id)
             for rec in read_incarnations(tier, job_id):
+                found.setdefault(rec.id, rec)
                 records.setdefault(rec.id, rec.model_dump(mode="json"))
         except (TierError, OSError) as exc:
             log.info("reshard sources: %s not searched: %s", tier.name, exc)
+    lin = Lineage(found.values())
+    for tier in tiers:
+        if tier.name not in listings:
             continue
         other = {
             s: e
-            for s, e in listing.items()
+            for s, e in listings[tier.name].items()
             if e.world_size is not None and e.world_size != world_size
         }
         if not other:
             continue
         try:
             if tier.name in LOCAL_SOURCES:
-                found = _every_manifest_sources(tier, job_id, other)
+                found_here = [
+                    (s, w, inc)
+                    for s, w, inc in _every_manifest_sources(tier, job_id, other)
+                    if lin.live(inc, s)
+                ]
             else:
-                commits = committed_steps(
-                    tier, job_id, [s for s, e in other.items() if e.has_commit]
-                )
-                found = [
+                # The one step rule (strata.tiers.eligible): committed and live.
+                eligible = tier_steps(
+                    tier,
+                    job_id,
+                    lin,
+                    [s for s, e in other.items() if e.has_commit],
+                    resumable=True,
+                ).eligible
+                found_here = [
                     (s, c.world_size, c.incarnation)
-                    for s, c in commits.items()
-                    if not c.archive_only and c.world_size != world_size
+                    for s, c in eligible.items()
+                    if c.world_size != world_size
                 ]
         except (TierError, OSError) as exc:
             log.info("reshard sources: %s not searched: %s", tier.name, exc)
             continue
-        for s, w, inc in found:
+        for s, w, inc in found_here:
             sources.append({"step": s, "world_size": w, "incarnation": inc, "tier": tier.name})
     return {"rank": rank, "sources": sources, "records": list(records.values())}
 

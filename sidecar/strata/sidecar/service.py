@@ -59,6 +59,7 @@ from strata.sidecar.termination import (
 )
 from strata.tiers.base import Tier
 from strata.tiers.configured import durable_tiers, in_restore_order
+from strata.tiers.eligible import job_lineage, tier_steps
 from strata.tiers.medium import check_ram_medium
 from strata.tiers.ram import RamTier
 
@@ -282,8 +283,10 @@ class Sidecar:
         )
 
     def prefetch(self) -> list[tuple[int, int, str]]:
-        """Bring the newest complete durable step into RAM for the ranks this RAM tier already
-        knows (slot rings left by a previous incarnation), when RAM holds nothing as new.
+        """Bring the newest eligible durable step (committed and live in the lineage of every
+        incarnation record found: :mod:`strata.tiers.eligible`, the rule the restore applies)
+        into RAM for the ranks this RAM tier already knows (slot rings left by a previous
+        incarnation), when RAM holds nothing as new.
 
         Runs in the background after readiness, so the trainer's restore is a RAM hit. Ranks are
         only known from the RAM directory (a recreated pod with an empty emptyDir has none; the
@@ -294,15 +297,16 @@ class Sidecar:
         if not ranks:
             return []
         newest: tuple[int, int] | None = None  # (step, world size)
+        lin = job_lineage(self.durable.values(), job, extra=self.engine.world.records)
         for tier in self.durable.values():
             try:
-                listings = tier.list_steps(job)
+                eligible = tier_steps(tier, job, lin, resumable=True).eligible
             except TierError as exc:
                 log.info("prefetch: cannot list %s: %s", tier.name, exc)
                 continue
-            for step, listing in listings.items():
-                if listing.complete and listing.world_size and (newest is None or step > newest[0]):
-                    newest = (step, listing.world_size)
+            for step, commit in eligible.items():
+                if newest is None or step > newest[0]:
+                    newest = (step, commit.world_size)
         if newest is None:
             return []
         step, world = newest

@@ -38,6 +38,9 @@ class TierProgress:
     lineage: Lineage = field(default_factory=lambda: Lineage([]))
     committed: dict[int, StepCommit] = field(default_factory=dict)
     """Live committed steps of the tier (global commit records)."""
+    dead: dict[int, StepCommit] = field(default_factory=dict)
+    """Committed steps of the tier that are not live in ``lineage`` (retention's collection
+    judges which of them are superseded)."""
     last_step: int | None = None
     """Newest live committed step: where the interval starts."""
     last_time: float | None = None

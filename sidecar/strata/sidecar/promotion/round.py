@@ -29,6 +29,13 @@ whose RAM data this sidecar sees, plus those declared through the local API):
    steps beyond ``keep`` lose this sidecar's ranks (:func:`plan_retention`); incomplete steps
    older than the newest complete step lose this sidecar's uncommitted data and the shards it
    wrote itself (writer id) after ``config.gc_grace_seconds``.
+4. Back-fill and collection (with maintenance, for every incarnation's steps, whoever wrote
+   them): a live step of an earlier incarnation that a faster durable tier holds and a slower
+   one lacks is copied there when retention would keep it
+   (:mod:`~strata.sidecar.promotion.backfill`); a superseded step below the tier's newest
+   eligible step is deleted by its designated collector
+   (:mod:`~strata.sidecar.promotion.collection`). Which steps are eligible or superseded is the
+   one rule of :mod:`strata.tiers.eligible`.
 
 Failures never stop the engine: one shard failing (I/O error, failed fsync, ENOSPC, checksum
 mismatch) abandons that attempt -- the tier removed its partial files and nothing is committed --
@@ -52,8 +59,12 @@ from concurrent.futures import ThreadPoolExecutor
 from strata import faults
 from strata.config import StrataConfig, TierName
 from strata.errors import CommitError, TierError
+from strata.format.commit import StepCommit
+from strata.format.incarnation import Incarnation, Lineage
 from strata.format.manifest import Manifest
+from strata.sidecar.promotion.backfill import backfill_steps
 from strata.sidecar.promotion.capacity import CapacityWatch
+from strata.sidecar.promotion.collection import collectible_steps, shards_superseded
 from strata.sidecar.promotion.committer import CommitDuty
 from strata.sidecar.promotion.copy import ShardCopier
 from strata.sidecar.promotion.events import PromotionEvent, RoundResult
@@ -313,6 +324,8 @@ class PromotionEngine:
         ):
             p.last_maintenance = now
             self._commit_finished(name, result)
+            self._backfill(name, ranks, result)
+            collected = self._collect(name, result)
             deleted = self.retention.maintain(
                 self.durable[name],
                 ranks,
@@ -322,8 +335,165 @@ class PromotionEngine:
                 complete=set(p.committed),
             )
             if deleted:
-                result.deleted[name] = deleted
+                result.deleted[name] = sorted({*result.deleted.get(name, []), *deleted})
+            if deleted or collected:
                 self.views.refresh(name)
+
+    # -- back-fill and collection (any sidecar, for any incarnation's steps) ----------------------
+
+    def _backfill(self, name: TierName, ranks: set[int], result: RoundResult) -> None:
+        """Copy into ``name`` the live steps of earlier incarnations that a faster durable tier
+        holds and ``name`` lacks, where retention would keep them
+        (:mod:`strata.sidecar.promotion.backfill`). Failures are retried in later rounds."""
+        p = self._progress[name]
+        world = self.world
+        if p.behind is not None or world.incarnation is None or not ranks:
+            return
+        for src_name in self.durable:
+            if src_name == name:
+                return
+            src = self._progress[src_name]
+            if not src.initialised or src.behind is not None:
+                continue
+            steps = backfill_steps(
+                src.committed, p.committed, self.policies[name].retention, world.incarnation
+            )
+            for step in steps:
+                self._backfill_step(name, src_name, src.committed[step], ranks, result)
+            if steps:
+                return
+
+    def _backfill_step(
+        self,
+        name: TierName,
+        src_name: TierName,
+        commit: StepCommit,
+        ranks: set[int],
+        result: RoundResult,
+    ) -> None:
+        step, w = commit.step, commit.world_size
+        world = self.world
+        mine = {r for r in ranks if r < w}
+        if self.commits.designated(step, world.world_size, ranks):
+            mine |= set(range(min(world.world_size or w, w), w))  # ranks no sidecar here serves
+        source = self.durable[src_name]
+        copied: list[int] = []
+        nbytes = 0
+        started = self._clock()
+        for rank in sorted(mine):
+            try:
+                m = source.get_manifest(self.job_id, step, rank)
+            except TierError as exc:
+                log.info("back-fill of rank %d of step %d skipped: %s", rank, step, exc)
+                continue
+            if m.incarnation != commit.incarnation or m.refs is not None or m.components:
+                # Only a full copy of the committed shard is a source (an incremental copy
+                # needs its base; that case stays on the source tier).
+                continue
+            self.views.drop_superseded(name, step, [rank])
+            ok, n, msg = self.copier.promote_shard(name, step, rank, m)
+            if not ok:
+                result.failed.setdefault(name, []).append(msg)
+                continue
+            if n:
+                copied.append(rank)
+                nbytes += n
+        if copied:
+            seconds = self._clock() - started
+            log.info(
+                "back-filled ranks %s of step %d (incarnation %s) from %s to %s (%d bytes)",
+                copied,
+                step,
+                commit.incarnation,
+                src_name,
+                name,
+                nbytes,
+                extra={"event": "backfilled", "tier": name, "step": step, "ranks": copied},
+            )
+            self._emit(PromotionEvent("promoted", name, step, tuple(copied), nbytes, seconds))
+        try:
+            done = self.commits.settle(
+                self.durable[name],
+                self.job_id,
+                step,
+                writer_id=self.writer_id,
+                ranks=ranks,
+                world_size=world.world_size,
+                incarnation=commit.incarnation,
+                records=_chain(self._progress[src_name].lineage.records, commit.incarnation),
+            )
+        except (TierError, CommitError) as exc:
+            log.warning("commit record of back-filled step %d in %s: %s", step, name, exc)
+            return
+        if done is not None:
+            result.committed.setdefault(name, step)
+            self._emit(PromotionEvent("committed", name, step, tuple(range(done.world_size))))
+
+    def _collect(self, name: TierName, result: RoundResult) -> list[int]:
+        """Delete the superseded steps of ``name`` this sidecar is the designated collector of
+        (:mod:`strata.sidecar.promotion.collection`); returns the steps deleted."""
+        p = self._progress[name]
+        world = self.world
+        if p.behind is not None or world.incarnation is None or p.last_step is None:
+            return []
+        if not all(q.initialised for q in self._progress.values()):
+            return []  # a tier whose view is unknown may hold a live copy being back-filled
+        tier = self.durable[name]
+        elsewhere = {s for n, q in self._progress.items() if n != name for s in q.committed}
+
+        def designated(step: int) -> bool:
+            return self.commits.designated(step, world.world_size, world.ranks)
+
+        steps = collectible_steps(
+            p.lineage, p.dead, p.last_step, eligible_elsewhere=elsewhere, designated=designated
+        )
+        try:
+            for s in tier.step_numbers(self.job_id):
+                if s >= p.last_step:
+                    break
+                if s in p.committed or s in p.dead or s in elsewhere or not designated(s):
+                    continue
+                if self._uncommitted_superseded(tier, s, p.lineage):
+                    steps.append(s)
+        except TierError as exc:
+            log.info("collection on %s: %s", name, exc)
+        deleted: list[int] = []
+        for s in sorted(steps):
+            c = p.dead.get(s)
+            why = (
+                p.lineage.why_dead(c.incarnation, s)
+                if c is not None
+                else f"every shard of step {s} belongs to a superseded incarnation"
+            )
+            try:
+                tier.delete_step(self.job_id, s)
+            except TierError as exc:
+                log.warning("collection of superseded step %d on %s failed: %s", s, name, exc)
+                continue
+            deleted.append(s)
+            log.info(
+                "collected superseded step %d from %s: %s",
+                s,
+                name,
+                why,
+                extra={"event": "collected", "tier": name, "step": s},
+            )
+            self._emit(PromotionEvent("superseded", name, s, message=why))
+        if deleted:
+            result.deleted[name] = sorted({*result.deleted.get(name, []), *deleted})
+        return deleted
+
+    def _uncommitted_superseded(self, tier: Tier, step: int, lin: Lineage) -> bool:
+        listing = tier.list_step(self.job_id, step)
+        if listing is None or listing.has_commit:
+            return False
+        manifests = []
+        for rank in sorted(listing.committed_ranks):
+            try:
+                manifests.append(tier.get_manifest(self.job_id, step, rank))
+            except TierError:
+                return False
+        return shards_superseded(lin, step, manifests)
 
     def _commit_finished(self, name: TierName, result: RoundResult) -> None:
         """Commit steps newer than the tier's newest commit whose record is missing: steps
@@ -484,6 +654,16 @@ class PromotionEngine:
         """Keep only the newest committed RAM step of each rank; drop everything else
         (:func:`strata.sidecar.promotion.pruning.prune_ram`). Returns the (step, rank) removed."""
         return prune_ram(self.ram, self.job_id, self.config.ram.keep)
+
+
+def _chain(records: Mapping[str, Incarnation], incarnation: str) -> list[Incarnation]:
+    """The records of ``incarnation`` and its known ancestors (copied next to a commit)."""
+    out: list[Incarnation] = []
+    inc: str | None = incarnation
+    while inc and inc in records and records[inc] not in out:
+        out.append(records[inc])
+        inc = records[inc].parent
+    return out
 
 
 def _incremental(config: StrataConfig, name: TierName) -> bool:

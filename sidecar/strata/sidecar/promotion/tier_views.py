@@ -21,7 +21,7 @@ from strata.sidecar.promotion.events import PromotionEvent
 from strata.sidecar.promotion.progress import TierProgress
 from strata.sidecar.promotion.world import World
 from strata.tiers.base import Tier
-from strata.tiers.records import committed_steps, lineage
+from strata.tiers.eligible import job_lineage, tier_steps
 
 log = logging.getLogger("strata.promotion")
 
@@ -65,8 +65,8 @@ class TierViews:
         progress = self.progress[name]
         world = self._world()
         try:
-            lin = lineage([tier], self.job_id, current=world.incarnation, extra=world.records)
-            commits = committed_steps(tier, self.job_id)
+            lin = job_lineage([tier], self.job_id, current=world.incarnation, extra=world.records)
+            steps = tier_steps(tier, self.job_id, lin)
         except TierError as exc:
             log.warning("cannot read the %s tier's commits yet: %s", name, exc)
             return False
@@ -87,11 +87,8 @@ class TierViews:
                 current,
                 extra={"event": "incarnation_behind", "tier": name},
             )
-        live = {s: c for s, c in commits.items() if lin.live(c.incarnation, s)}
-        for s, c in commits.items():
-            if s not in live:
-                log.debug("%s: %s", name, lin.why_dead(c.incarnation, s))
-        progress.set_committed(live)
+        progress.dead = steps.dead
+        progress.set_committed(steps.eligible)
         return True
 
     def last_promoted(self) -> dict[TierName, int | None]:
