@@ -89,7 +89,11 @@ async def _burst(
                 except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     return type(exc).__name__
 
-        return list(await asyncio.gather(*(one(b, t) for b, t in bodies)))
+        statuses = list(await asyncio.gather(*(one(b, t) for b, t in bodies)))
+    # aiohttp's graceful-shutdown advice: TLS transports finish closing after the session, on
+    # the loop's next turns; asyncio.run would otherwise drop them unclosed (ResourceWarning).
+    await asyncio.sleep(0.25)
+    return statuses
 
 
 def _settled_rss(pid: int) -> float:

@@ -422,6 +422,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         use_kubeconfig(args.kubeconfig)
     setup_logging(args.log_format, verbose=args.verbose, debug=args.debug)
     memory.limit_tls_buffers()
+    memory.TRIMMER.start()
     memory.install_debug_snapshot()
     config.load_config()  # type: ignore[no-untyped-call]
     wiring = build_wiring(args)

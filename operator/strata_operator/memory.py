@@ -12,7 +12,7 @@ more when the apiserver is slow. Two things made that memory large and kept it a
 * glibc's malloc returns freed memory to the kernel only from the top of a heap; the buffers and
   OpenSSL's per-connection state freed when a burst of connections closes sit below live
   objects, so the RSS stays at the burst's peak (fragmentation, not a leak: ``malloc_trim``
-  gives it back). :class:`HeapTrimmer` calls ``malloc_trim(0)`` after a burst, off the event loop.
+  gives it back). :data:`TRIMMER` calls ``malloc_trim(0)`` after a burst, in its own thread.
 
 Debugging: with ``STRATA_TRACEMALLOC=<file>`` in the environment the operator starts
 ``tracemalloc`` and, on ``SIGUSR2``, writes its RSS and the 40 largest Python allocation sites
@@ -22,7 +22,6 @@ investigations only.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import ctypes.util
 import logging
@@ -81,27 +80,51 @@ def release_free_memory() -> bool:
 
 
 class HeapTrimmer:
-    """Gives freed heap back after bursts of connections: :meth:`closed` counts a finished
-    request; :meth:`run` (an asyncio task) calls :func:`release_free_memory` in a thread at most
-    once per ``period`` seconds, and only when requests finished since the last trim."""
+    """Gives freed heap back after bursts of requests: :meth:`closed` counts a finished request
+    (report or admission review; callable from any thread or event loop); a daemon thread started
+    by :meth:`start` calls :func:`release_free_memory` at most once per ``period`` seconds, and
+    only when requests finished since its last trim."""
 
     def __init__(self, period: float = TRIM_PERIOD_SECONDS) -> None:
         self.period = period
         self.finished = 0
         self.trims = 0
         self._seen = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def closed(self) -> None:
-        self.finished += 1
+        self.finished += 1  # a count lost to a race only delays a trim
 
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.period)
-            if self.finished == self._seen:
-                continue
-            self._seen = self.finished
-            if await asyncio.to_thread(release_free_memory):
-                self.trims += 1
+    def trim_if_used(self) -> bool:
+        """Trim when requests finished since the last trim; whether it trimmed."""
+        if self.finished == self._seen:
+            return False
+        self._seen = self.finished
+        if release_free_memory():
+            self.trims += 1
+            return True
+        return False
+
+    def start(self) -> None:
+        """Start the trimming thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="strata-heap-trim", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.trim_if_used()
+
+
+TRIMMER = HeapTrimmer()
+"""The process' trimmer: the report receiver and the admission webhook count their requests."""
 
 
 def rss_mib(pid: int | None = None) -> float:

@@ -150,9 +150,6 @@ class ReceiverState:
     pods: dict[tuple[str, str], PodFacts] = field(default_factory=dict)
     """Labelled pods as the pod watch last saw them (namespace, name)."""
     executor: ThreadPoolExecutor | None = None
-    trimmer: memory.HeapTrimmer = field(default_factory=memory.HeapTrimmer)
-    """Returns the heap freed by closed report connections (:mod:`strata_operator.memory`)."""
-    trim_task: asyncio.Task[None] | None = None
 
     def writer(self) -> StatusWriter:
         """The writer of ``status.jobs`` (:class:`strata_operator.cluster.StatusWriter`)."""
@@ -262,7 +259,7 @@ async def handle_report(state: ReceiverState, request: web.Request) -> web.Respo
         return web.json_response({"error": rej.reason, "message": rej.message}, status=rej.status)
     finally:
         m.REPORT_DURATION.observe(time.perf_counter() - start)
-        state.trimmer.closed()
+        memory.TRIMMER.closed()  # returns the heap freed by closed report connections
 
 
 async def _handle(state: ReceiverState, request: web.Request) -> dict[str, Any]:
@@ -481,7 +478,6 @@ class ReportReceiver:
         site = web.TCPSite(runner, state.host, state.port, ssl_context=_ssl_context(state.tls))
         await site.start()
         state.runner = runner
-        state.trim_task = asyncio.create_task(state.trimmer.run(), name="strata-heap-trim")
         log.info(
             "report receiver listening on https://%s:%d%s", state.host, state.port, REPORT_PATH
         )
@@ -494,10 +490,6 @@ class ReportReceiver:
             state.runner = None
         if state is not None and state.batches is not None:
             await state.batches.close()
-        if state is not None and state.trim_task is not None:
-            state.trim_task.cancel()
-            await asyncio.gather(state.trim_task, return_exceptions=True)
-            state.trim_task = None
         if state is not None and state.executor is not None:
             state.executor.shutdown(wait=False, cancel_futures=True)
             # A replica that leads again later starts the receiver again with new threads.
