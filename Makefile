@@ -11,7 +11,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
 .PHONY: maps help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
-        manifests manifests-check dist chart bench bench-sharded bench-smoke scale-data goodput tools node-prereqs images cluster-up cluster-down scale clean chaos
+        manifests manifests-check dist chart bench bench-sharded bench-smoke scale-large scale-data goodput tools node-prereqs images cluster-up cluster-down scale clean chaos
 .PHONY: bench-ready
 
 help: ## list the targets
@@ -99,8 +99,13 @@ cluster-up: $(STAMP) tools ## start the local control plane (etcd, apiserver, co
 cluster-down: $(STAMP) ## stop the local control plane
 	$(BIN)/python -m e2e.cluster down
 
-scale: $(STAMP) tools ## scale check, not in `make test`: 1,000 kwok nodes, a 1,000-pod JobSet, 1,000 reporting sidecars -> e2e/results/scale-latest.json
+scale: $(STAMP) tools ## scale check, not in `make test`: 1,000 kwok nodes, a 1,000-pod JobSet, 1,000 reporting sidecars -> e2e/results/scale-latest.json; then scale-large
 	$(BIN)/python -m e2e.scale $(SCALE_ARGS)
+	$(MAKE) --no-print-directory scale-large
+
+scale-large: $(STAMP) tools ## admission of the large jobs: a 20,000-pod Indexed Job, a 4,096-pod JobSet with spec.peers -> e2e/results/scale-{indexed-job,peers}.json
+	$(BIN)/python -m e2e.scale --workload indexed-job --pods 20000 --jobs 1 --nodes 200 --rounds 0 --dir .strata-run/scale-indexed-job --out e2e/results/scale-indexed-job.json
+	$(BIN)/python -m e2e.scale --workload jobset --peers --pods 4096 --jobs 16 --nodes 64 --rounds 0 --dir .strata-run/scale-peers --out e2e/results/scale-peers.json
 
 scale-data: $(STAMP) ## data-plane scale simulation: tier requests per sidecar per step, W up to 16,384 -> bench/results/scale-data.json
 	$(BIN)/python -m bench.scale_data $(SCALE_DATA_ARGS)

@@ -25,11 +25,21 @@ Measured (all printed, and written as JSON to ``--out``, default e2e/results/sca
 * operator process: RSS (MiB, sampled every 0.5 s: at start, peak, end of each phase) and CPU
   (seconds and percent of one core per phase).
 
+* operator RSS before the workload, its peak over the whole run, and ``--settle`` seconds (60)
+  after the last report (or the last admission with ``--rounds 0``): what the operator keeps.
+
+The large jobs (admission only, ``--rounds 0``): ``--workload indexed-job --pods 20000`` is one
+Indexed Job of 20,000 pods (no JobSet); ``--workload jobset --peers --pods 4096 --jobs 16`` is a
+JobSet of 4,096 pods under a policy with ``spec.peers`` (every pod's configuration carries the
+whole peer list, ``strata_operator.admission.peers.MAX_PEERS``). ``make scale`` runs the report run
+and then both of these (``make scale-large`` only the latter).
+
 The figures depend on the machine and on whatever else runs on it; the JSON records the CPU
 count and load averages at start and end.
 
 Usage: ``python -m e2e.scale [--nodes 1000] [--pods 1000] [--jobs 10] [--rounds 3]
-[--interval 10] [--dir .strata-run/scale] [--out e2e/results/scale-latest.json]``.
+[--interval 10] [--workload jobset|indexed-job] [--peers] [--settle 60] [--dir .strata-run/scale]
+[--out e2e/results/scale-latest.json]``.
 """
 
 from __future__ import annotations
@@ -177,6 +187,21 @@ class ProcessSampler:
         self._thread.join()
         self._sample()
 
+    def rss_summary(self) -> dict[str, float | None]:
+        """RSS (MiB) before the workload (the start of phase ``pods``), the peak of every phase
+        so far, and now."""
+        self._sample()
+        try:
+            now, _ = self._read()
+        except (OSError, ValueError, IndexError):
+            now = float("nan")
+        before = self.phases.get("pods", {}).get("rss_start_mib")
+        return {
+            "before_mib": None if before is None else round(before, 1),
+            "peak_mib": round(max(p["rss_peak_mib"] for p in self.phases.values()), 1),
+            "after_settle_mib": round(now, 1),
+        }
+
     def summary(self) -> dict[str, dict[str, float]]:
         keep = ("rss_start_mib", "rss_peak_mib", "rss_end_mib", "cpu_s", "wall_s", "cpu_percent")
         return {
@@ -226,6 +251,31 @@ def create_nodes(cluster: LocalCluster, count: int) -> float:
     return time.monotonic() - begin
 
 
+def _pod_template() -> dict[str, Any]:
+    return {
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "trainer", "image": "trainer:scale"}],
+        }
+    }
+
+
+def indexed_job(pods: int) -> dict[str, Any]:
+    """One Indexed Job of ``pods`` pods (all in parallel), annotated for the policy."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": JOBSET, "annotations": {POLICY_LABEL: POLICY}},
+        "spec": {
+            "parallelism": pods,
+            "completions": pods,
+            "backoffLimit": 0,
+            "completionMode": "Indexed",
+            "template": _pod_template(),
+        },
+    }
+
+
 def jobset(jobs: int, pods_per_job: int) -> dict[str, Any]:
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
@@ -242,12 +292,7 @@ def jobset(jobs: int, pods_per_job: int) -> dict[str, Any]:
                             "completions": pods_per_job,
                             "backoffLimit": 0,
                             "completionMode": "Indexed",
-                            "template": {
-                                "spec": {
-                                    "restartPolicy": "Never",
-                                    "containers": [{"name": "trainer", "image": "trainer:scale"}],
-                                }
-                            },
+                            "template": _pod_template(),
                         }
                     },
                 }
@@ -256,11 +301,37 @@ def jobset(jobs: int, pods_per_job: int) -> dict[str, Any]:
     }
 
 
-def list_pods(api: client.ApiClient) -> list[dict[str, Any]]:
-    resp = client.CoreV1Api(api).list_namespaced_pod(
-        NAMESPACE, label_selector=f"jobset.sigs.k8s.io/jobset-name={JOBSET}", _preload_content=False
-    )
-    return list(json.loads(resp.data)["items"])
+def workload_selector(workload: str) -> str:
+    """The label selector of the workload's pods (and of a JobSet's child Jobs)."""
+    if workload == "indexed-job":
+        return f"batch.kubernetes.io/job-name={JOBSET}"
+    return f"jobset.sigs.k8s.io/jobset-name={JOBSET}"
+
+
+def list_pods(api: client.ApiClient, workload: str, keep_spec: bool) -> list[dict[str, Any]]:
+    """The workload's pods, 500 per request; without ``keep_spec`` only their metadata and
+    status (a 4,096-pod peers job is GiBs of pod specs)."""
+    core = client.CoreV1Api(api)
+    out: list[dict[str, Any]] = []
+    token: str | None = None
+    while True:
+        kwargs: dict[str, Any] = {"limit": 500}
+        if token:
+            kwargs["_continue"] = token
+        resp = core.list_namespaced_pod(
+            NAMESPACE,
+            label_selector=workload_selector(workload),
+            _preload_content=False,
+            **kwargs,
+        )
+        page = json.loads(resp.data)
+        for pod in page["items"]:
+            if not keep_spec:
+                pod = {"metadata": pod["metadata"], "status": pod.get("status") or {}}
+            out.append(pod)
+        token = (page.get("metadata") or {}).get("continue")
+        if not token:
+            return out
 
 
 def job_status(api: client.ApiClient, job_id: str) -> dict[str, Any]:
@@ -478,6 +549,11 @@ def _measure(
     result: dict[str, Any],
 ) -> None:
     custom = client.CustomObjectsApi(api)
+    policy_spec: dict[str, Any] = {
+        "tiers": {"ram": {"medium": "Memory", "sizeLimit": "64Mi", "keep": 2}}
+    }
+    if args.peers:
+        policy_spec["peers"] = {"mode": "replicate", "copies": 1}
     custom.create_namespaced_custom_object(
         "strata.dev",
         "v1alpha1",
@@ -487,36 +563,48 @@ def _measure(
             "apiVersion": "strata.dev/v1alpha1",
             "kind": "CheckpointPolicy",
             "metadata": {"name": POLICY, "namespace": NAMESPACE},
-            "spec": {"tiers": {"ram": {"medium": "Memory", "sizeLimit": "64Mi", "keep": 2}}},
+            "spec": policy_spec,
         },
     )
     sampler.phase("pods")
     per_job = args.pods // args.jobs
     begin = time.monotonic()
-    custom.create_namespaced_custom_object(
-        "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets", jobset(args.jobs, per_job)
+    if args.workload == "indexed-job":
+        total = args.pods
+        client.BatchV1Api(api).create_namespaced_job(NAMESPACE, indexed_job(total))
+    else:
+        total = per_job * args.jobs
+        custom.create_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets", jobset(args.jobs, per_job)
+        )
+    selector = workload_selector(args.workload).replace("=", "%3D")
+    jobs_path = (
+        f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs?fieldSelector=metadata.name%3D{JOBSET}"
+        if args.workload == "indexed-job"
+        else f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs?labelSelector={selector}"
     )
-    total = per_job * args.jobs
 
     def all_running() -> list[dict[str, Any]] | None:
-        # The child Jobs' counters are cheap; the 1,000 injected pods are listed only once they
-        # all exist. Running (phase), not Ready: when kwok, starved of CPU, renews node leases
-        # late, the node lifecycle controller marks pods NotReady and kwok never sets them back.
-        jobs = cluster.request(
-            f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs"
-            f"?labelSelector=jobset.sigs.k8s.io/jobset-name%3D{JOBSET}"
-        )["items"]
+        # The Jobs' counters are cheap; the injected pods are listed only once they all exist.
+        # Running (phase), not Ready: when kwok, starved of CPU, renews node leases late, the
+        # node lifecycle controller marks pods NotReady and kwok never sets them back.
+        jobs = cluster.request(jobs_path)["items"]
         active = sum(j.get("status", {}).get("active", 0) for j in jobs)
         print(f"[scale] pods: {active} active ({len(jobs)} Jobs)", flush=True)
         if active < total:
             return None
-        pods = list_pods(api)
+        pods = list_pods(api, args.workload, keep_spec=args.rounds > 0)
         running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
         print(f"[scale] pods: {len(running)} Running", flush=True)
         return running if len(running) >= total else None
 
-    pods = wait_until(f"{total} Running pods", all_running, timeout=1800, period=3)
-    result["pods"] = {"count": total, "jobset_to_all_running_s": round(time.monotonic() - begin, 1)}
+    pods = wait_until(f"{total} Running pods", all_running, timeout=3600, period=3)
+    result["pods"] = {
+        "workload": args.workload,
+        "peers": args.peers,
+        "count": total,
+        "jobset_to_all_running_s": round(time.monotonic() - begin, 1),
+    }
     injected = sum("strata.dev/injected" in (p["metadata"].get("annotations") or {}) for p in pods)
     result["pods"]["injected"] = injected
     result["pods"]["ready_condition_false"] = sum(
@@ -550,83 +638,92 @@ def _measure(
         ),
     }
 
-    sampler.phase("tokens")
-    sidecars = sidecars_for(api, pods)
-    sampler.phase("reports")
-    print(
-        f"[scale] {len(sidecars)} sidecars report every {args.interval} s, {args.rounds} rounds",
-        flush=True,
-    )
-    records = asyncio.run(
-        report_rounds(op.report_url, op.ca_file, sidecars, args.rounds, args.interval)
-    )
-    last_round = args.rounds - 1
-    final_step = (last_round + 1) * 100
-    job_id = sidecars[0].job_id
-    last = [r for r in records if r["round"] == last_round]
-    round_start = min(r["sent"] for r in last)
-    last_answer = max(r["done"] for r in last)
-    shown: dict[str, Any] = {}
-
-    def status_at_final_step() -> float | None:
-        shown.update(job_status(api, job_id).get("newestCompleteStep") or {})
-        return time.monotonic() if shown.get("ram") == final_step else None
-
-    try:
-        status_seen: float | None = wait_until(
-            f"status of {job_id} at step {final_step}",
-            status_at_final_step,
-            timeout=120,
-            period=0.2,
+    if args.rounds > 0:
+        sampler.phase("tokens")
+        sidecars = sidecars_for(api, pods)
+        sampler.phase("reports")
+        print(
+            f"[scale] {len(sidecars)} sidecars report every {args.interval} s, {args.rounds} rounds",
+            flush=True,
         )
-    except TimeoutError:
-        status_seen = None
-    sampler.phase("after")
-    time.sleep(2)
-    ok = [r["latency_s"] for r in records if _accepted(r)]
-    first_attempts = [r["attempt_latencies_s"][0] for r in records]
-    statuses: dict[str, int] = {}
-    for r in records:
-        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-    receiver_hist = histogram(
-        _text(f"http://127.0.0.1:{op.metrics_port}/metrics"), "strata_report_duration_seconds"
-    )
-    result["receiver"] = {
-        "reports": len(records),
-        "offered_rate_per_s": round(len(sidecars) / args.interval, 1),
-        "statuses": statuses,
-        "client": {
-            "timeout_per_attempt_s": REPORT_TIMEOUT_S,
-            "max_attempts": REPORT_ATTEMPTS,
-            "attempts": sum(r["attempts"] for r in records),
-            "accepted_reports": len(ok),
-            "first_attempt_p50_s": _r(percentile(first_attempts, 50)),
-            "first_attempt_p99_s": _r(percentile(first_attempts, 99)),
-        },
-        "client_latency_p50_s": _r(percentile(ok, 50)),
-        "client_latency_p99_s": _r(percentile(ok, 99)),
-        "client_latency_max_s": _r(max(ok) if ok else None),
-        "handler": receiver_hist,
-        "per_round": [_round_stats(records, r, args) for r in range(args.rounds)],
-        # What the operator itself folded/refused (a report whose client timed out may still be
-        # folded later).
-        "server_folded": int(op.metric("strata_reports_received_total")),
-        "server_rejected": {
-            dict(labels)["reason"]: int(v)
-            for (name, labels), v in op.metrics().items()
-            if name == "strata_reports_rejected_total"
-        },
-    }
-    result["status_convergence"] = {
-        "final_step": final_step,
-        "converged_within_120s_after_reports": status_seen is not None,
-        "status_shows": shown,
-        "from_last_round_start_s": None if status_seen is None else _r(status_seen - round_start),
-        "last_answer_after_round_start_s": _r(last_answer - round_start),
-        "after_last_answer_s": None
-        if status_seen is None
-        else _r(max(0.0, status_seen - last_answer)),
-    }
+        records = asyncio.run(
+            report_rounds(op.report_url, op.ca_file, sidecars, args.rounds, args.interval)
+        )
+        last_round = args.rounds - 1
+        final_step = (last_round + 1) * 100
+        job_id = sidecars[0].job_id
+        last = [r for r in records if r["round"] == last_round]
+        round_start = min(r["sent"] for r in last)
+        last_answer = max(r["done"] for r in last)
+        shown: dict[str, Any] = {}
+
+        def status_at_final_step() -> float | None:
+            shown.update(job_status(api, job_id).get("newestCompleteStep") or {})
+            return time.monotonic() if shown.get("ram") == final_step else None
+
+        try:
+            status_seen: float | None = wait_until(
+                f"status of {job_id} at step {final_step}",
+                status_at_final_step,
+                timeout=120,
+                period=0.2,
+            )
+        except TimeoutError:
+            status_seen = None
+        sampler.phase("after")
+        time.sleep(2)
+        ok = [r["latency_s"] for r in records if _accepted(r)]
+        first_attempts = [r["attempt_latencies_s"][0] for r in records]
+        statuses: dict[str, int] = {}
+        for r in records:
+            statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+        receiver_hist = histogram(
+            _text(f"http://127.0.0.1:{op.metrics_port}/metrics"), "strata_report_duration_seconds"
+        )
+        result["receiver"] = {
+            "reports": len(records),
+            "offered_rate_per_s": round(len(sidecars) / args.interval, 1),
+            "statuses": statuses,
+            "client": {
+                "timeout_per_attempt_s": REPORT_TIMEOUT_S,
+                "max_attempts": REPORT_ATTEMPTS,
+                "attempts": sum(r["attempts"] for r in records),
+                "accepted_reports": len(ok),
+                "first_attempt_p50_s": _r(percentile(first_attempts, 50)),
+                "first_attempt_p99_s": _r(percentile(first_attempts, 99)),
+            },
+            "client_latency_p50_s": _r(percentile(ok, 50)),
+            "client_latency_p99_s": _r(percentile(ok, 99)),
+            "client_latency_max_s": _r(max(ok) if ok else None),
+            "handler": receiver_hist,
+            "per_round": [_round_stats(records, r, args) for r in range(args.rounds)],
+            # What the operator itself folded/refused (a report whose client timed out may still be
+            # folded later).
+            "server_folded": int(op.metric("strata_reports_received_total")),
+            "server_rejected": {
+                dict(labels)["reason"]: int(v)
+                for (name, labels), v in op.metrics().items()
+                if name == "strata_reports_rejected_total"
+            },
+        }
+        result["status_convergence"] = {
+            "final_step": final_step,
+            "converged_within_120s_after_reports": status_seen is not None,
+            "status_shows": shown,
+            "from_last_round_start_s": None
+            if status_seen is None
+            else _r(status_seen - round_start),
+            "last_answer_after_round_start_s": _r(last_answer - round_start),
+            "after_last_answer_s": None
+            if status_seen is None
+            else _r(max(0.0, status_seen - last_answer)),
+        }
+
+    else:
+        sampler.phase("after")
+    # What the operator keeps once the load is over (RSS is sampled on).
+    time.sleep(args.settle)
+    result["operator_rss"] = sampler.rss_summary()
 
 
 def _accepted(record: dict[str, Any]) -> bool:
@@ -659,39 +756,52 @@ def _text(url: str) -> str:
 
 
 def summary(result: dict[str, Any]) -> str:
-    w, rcv, conv = result["webhook"], result["receiver"], result["status_convergence"]
+    w = result["webhook"]
+    rcv, conv = result.get("receiver"), result.get("status_convergence")
     ms = lambda v: "n/a" if v is None else f"{1000 * v:.0f} ms"  # noqa: E731
+    pods = result["pods"]
+    what = f"{pods['count']} pods ({pods['workload']}{', peers' if pods['peers'] else ''})"
     lines = [
         f"machine: {result['machine']['cpus']} CPUs, load {result['machine']['loadavg_start']} -> "
         f"{result['machine'].get('loadavg_end')}",
-        f"nodes Ready: {result['nodes_ready_s']} s; {result['pods']['count']} pods Running "
-        f"{result['pods']['jobset_to_all_running_s']} s after the JobSet ({result['pods']['injected']} injected, "
-        f"{result['pods']['ready_condition_false']} with Ready=False)",
+        f"nodes Ready: {result['nodes_ready_s']} s; {what} Running "
+        f"{pods['jobset_to_all_running_s']} s after the workload ({pods['injected']} injected, "
+        f"{pods['ready_condition_false']} with Ready=False)",
         f"webhook handler p50 {ms(w['handler']['p50_s'])} p99 {ms(w['handler']['p99_s'])} "
         f"({w['pod_admission_reviews']} Pod reviews, {w['reviews_per_pod']} per pod); apiserver round "
         f"trip p50 {ms(w['apiserver_round_trip']['p50_s'])} p99 {ms(w['apiserver_round_trip']['p99_s'])}",
-        f"receiver ({rcv['reports']} reports offered at {rcv['offered_rate_per_s']}/s, "
-        f"{rcv['client']['attempts']} attempts): accepted {rcv['client']['accepted_reports']}, "
-        f"final statuses {rcv['statuses']}; first attempt p50 "
-        f"{ms(rcv['client']['first_attempt_p50_s'])} p99 {ms(rcv['client']['first_attempt_p99_s'])}; "
-        f"accepted report end to end p50 {ms(rcv['client_latency_p50_s'])} p99 "
-        f"{ms(rcv['client_latency_p99_s'])} max {ms(rcv['client_latency_max_s'])}; handler p50 "
-        f"{ms(rcv['handler']['p50_s'])} p99 {ms(rcv['handler']['p99_s'])}",
-        f"per round: {rcv['per_round']}",
-        f"operator side: folded {rcv['server_folded']}, rejected {rcv['server_rejected']}; "
-        f"webhook outcomes {w['outcomes']}",
-        f"status convergence (step {conv['final_step']}): converged "
-        f"{conv['converged_within_120s_after_reports']}, status shows {conv['status_shows']}; "
-        f"{conv['from_last_round_start_s']} s from the last round's start, "
-        f"{conv['after_last_answer_s']} s after its last answered report (last answer "
-        f"{conv['last_answer_after_round_start_s']} s into the round)",
     ]
+    if rcv is not None and conv is not None:
+        lines += [
+            f"receiver ({rcv['reports']} reports offered at {rcv['offered_rate_per_s']}/s, "
+            f"{rcv['client']['attempts']} attempts): accepted {rcv['client']['accepted_reports']}, "
+            f"final statuses {rcv['statuses']}; first attempt p50 "
+            f"{ms(rcv['client']['first_attempt_p50_s'])} p99 {ms(rcv['client']['first_attempt_p99_s'])}; "
+            f"accepted report end to end p50 {ms(rcv['client_latency_p50_s'])} p99 "
+            f"{ms(rcv['client_latency_p99_s'])} max {ms(rcv['client_latency_max_s'])}; handler p50 "
+            f"{ms(rcv['handler']['p50_s'])} p99 {ms(rcv['handler']['p99_s'])}",
+            f"per round: {rcv['per_round']}",
+            f"operator side: folded {rcv['server_folded']}, rejected {rcv['server_rejected']}; "
+            f"webhook outcomes {w['outcomes']}",
+            f"status convergence (step {conv['final_step']}): converged "
+            f"{conv['converged_within_120s_after_reports']}, status shows {conv['status_shows']}; "
+            f"{conv['from_last_round_start_s']} s from the last round's start, "
+            f"{conv['after_last_answer_s']} s after its last answered report (last answer "
+            f"{conv['last_answer_after_round_start_s']} s into the round)",
+        ]
+    else:
+        lines.append(f"webhook outcomes {w['outcomes']} (no reports: --rounds 0)")
     for phase, p in result.get("operator_process", {}).items():
         lines.append(
             f"operator [{phase}]: RSS {p.get('rss_start_mib')} -> peak {p.get('rss_peak_mib')} -> "
             f"{p.get('rss_end_mib')} MiB, CPU {p.get('cpu_s')} s in {p.get('wall_s')} s "
             f"({p.get('cpu_percent')} % of a core)"
         )
+    rss = result.get("operator_rss") or {}
+    lines.append(
+        f"operator RSS: before {rss.get('before_mib')} MiB, peak {rss.get('peak_mib')} MiB, "
+        f"{rss.get('after_settle_mib')} MiB {result['parameters']['settle']:.0f} s after the load"
+    )
     return "\n".join(lines)
 
 
@@ -706,13 +816,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--interval", type=float, default=10.0, help="seconds between a sidecar's reports"
     )
+    parser.add_argument(
+        "--workload",
+        choices=("jobset", "indexed-job"),
+        default="jobset",
+        help="a JobSet of --jobs child Jobs, or one Indexed Job of --pods pods",
+    )
+    parser.add_argument(
+        "--peers", action="store_true", help="the policy has spec.peers (replicate, 1 copy)"
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=60.0,
+        help="seconds the operator's RSS is watched after the load (default %(default)s)",
+    )
     parser.add_argument("--dir", type=Path, default=REPO_ROOT / ".strata-run" / "scale")
     parser.add_argument(
         "--out", type=Path, default=REPO_ROOT / "e2e" / "results" / "scale-latest.json"
     )
     args = parser.parse_args(argv)
-    if args.pods % args.jobs:
+    if args.workload == "jobset" and args.pods % args.jobs:
         parser.error("--pods must be a multiple of --jobs")
+    if args.rounds < 0 or args.settle < 0:
+        parser.error("--rounds and --settle must be >= 0 (0 rounds: admission only)")
     args.dir = args.dir.resolve()
     result = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,8 @@ the test:
    started again (the Deployment's replacement) and rejoins the endpoints as a standby;
 2. SIGKILL of the new leader; once the process is reaped, its endpoint is withdrawn.
 
+A second test SIGKILLs the standby alone (the leader keeps the Lease and keeps reconciling).
+
 Asserted: no pod is created without its sidecar (0 uninjected), the drain refuses no pod, the
 survivor takes the Lease within the lease duration plus two retry periods, labels its Pod object
 leader (the reports Service's selector), its report receiver listens and folds a report into the
@@ -394,9 +396,40 @@ def create_pods(
 # --- the test -----------------------------------------------------------------------------------
 
 
-def test_sigkill_of_the_leader_injects_every_admitted_pod_and_the_survivor_takes_over(
+@dataclass
+class TwoReplicas:
+    """Two replicas serving the webhook behind :data:`SERVICE` (see the module docstring), the
+    leader reconciling policy ``fast`` of ``workload``; :meth:`set_ready` plays the
+    EndpointSlice controller."""
+
+    workload: str
+    webhook_port: int
+    report_port: int
+    tls_dir: Path
+    replicas: list[Replica]
+    leader: Replica
+    standby: Replica
+    ready: dict[str, bool]
+    api_client: Any
+    core: Any
+    custom: Any
+    coordination: Any
+    discovery: Any
+
+    def set_ready(self, replica: Replica, ready: bool) -> None:
+        self.ready[replica.address] = ready
+        self.discovery.replace_namespaced_endpoint_slice(
+            f"{SERVICE}-replicas", NS, endpoint_slice(self.ready, self.webhook_port)
+        )
+
+
+@pytest.fixture
+def two_replicas(
     routed_cluster: LocalCluster, local_net: LocalNet, tmp_path: Path
-) -> None:
+) -> Iterator[TwoReplicas]:
+    """Start two replicas, wait until one leads (its receiver listens, both role labels are
+    set, the webhook configuration names the Service, policy ``fast`` is reconciled); stop both
+    afterwards."""
     cluster = routed_cluster
     ensure_namespace(cluster, NS)
     workload = f"ha-pods-{uuid.uuid4().hex[:6]}"
@@ -418,9 +451,15 @@ def test_sigkill_of_the_leader_injects_every_admitted_pod_and_the_survivor_takes
     custom: Any = client.CustomObjectsApi(api_client)
     coordination: Any = client.CoordinationV1Api(api_client)
     discovery: Any = client.DiscoveryV1Api(api_client)
-    stop = threading.Event()
-    workers: list[threading.Thread] = []
     try:
+        with contextlib.suppress(ApiException):  # left by an earlier test of the module
+            core.delete_namespaced_service(SERVICE, NS)
+        with contextlib.suppress(ApiException):
+            discovery.delete_namespaced_endpoint_slice(f"{SERVICE}-replicas", NS)
+        for replica in replicas:
+            with contextlib.suppress(ApiException):
+                core.delete_namespaced_pod(replica.name, NS, grace_period_seconds=0)
+        wait_for("the old replica pods to go", lambda: not roles(core), 30)
         core.create_namespaced_service(
             NS,
             {
@@ -479,15 +518,56 @@ def test_sigkill_of_the_leader_injects_every_admitted_pod_and_the_survivor_takes
             60,
             replicas,
         )
+        yield TwoReplicas(
+            workload=workload,
+            webhook_port=webhook_port,
+            report_port=report_port,
+            tls_dir=tls_dir,
+            replicas=replicas,
+            leader=leader,
+            standby=survivor,
+            ready=ready,
+            api_client=api_client,
+            core=core,
+            custom=custom,
+            coordination=coordination,
+            discovery=discovery,
+        )
+    finally:
+        for replica in replicas:
+            replica.stop()
+        api_client.close()
+
+
+def start_creators(
+    api_client: Any, ns: str, stop: threading.Event, out: Admissions
+) -> list[threading.Thread]:
+    """Two threads creating labelled pods without pause until ``stop``."""
+    workers = []
+    for worker in range(2):
+        thread = threading.Thread(
+            target=create_pods, args=(api_client, ns, worker, stop, out), daemon=True
+        )
+        thread.start()
+        workers.append(thread)
+    return workers
+
+
+def test_sigkill_of_the_leader_injects_every_admitted_pod_and_the_survivor_takes_over(
+    routed_cluster: LocalCluster, two_replicas: TwoReplicas
+) -> None:
+    cluster, ha = routed_cluster, two_replicas
+    stop = threading.Event()
+    workers: list[threading.Thread] = []
+    try:
+        workload, webhook_port, report_port = ha.workload, ha.webhook_port, ha.report_port
+        replicas, leader, survivor, ready = ha.replicas, ha.leader, ha.standby, ha.ready
+        api_client, core, custom = ha.api_client, ha.core, ha.custom
+        coordination, discovery = ha.coordination, ha.discovery
 
         # Both replicas answer before the kill (a warm-up through the Service).
         out = Admissions()
-        for worker in range(2):
-            thread = threading.Thread(
-                target=create_pods, args=(api_client, workload, worker, stop, out), daemon=True
-            )
-            thread.start()
-            workers.append(thread)
+        workers += start_creators(api_client, workload, stop, out)
         time.sleep(5)
         assert out.created > 0 and not out.refused, out.refused[:5]
 
@@ -630,9 +710,79 @@ def test_sigkill_of_the_leader_injects_every_admitted_pod_and_the_survivor_takes
         stop.set()
         for thread in workers:
             thread.join(60)
-        for replica in replicas:
-            replica.stop()
-        api_client.close()
+
+
+def test_sigkill_of_the_standby_injects_every_admitted_pod_and_the_leader_keeps_leading(
+    two_replicas: TwoReplicas,
+) -> None:
+    """The standby SIGKILLed while pods are admitted (a node lost under it, an OOM kill): what
+    it held or was sent before its endpoint went is refused (counted, printed), no pod is created
+    without its sidecar, and the leader keeps the Lease, reconciles a new policy and folds a
+    report."""
+    ha = two_replicas
+    leader, standby = ha.leader, ha.standby
+    stop = threading.Event()
+    out = Admissions()
+    workers = start_creators(ha.api_client, ha.workload, stop, out)
+    try:
+        time.sleep(3)
+        assert out.created > 0 and not out.refused, out.refused[:5]
+        before = out.created
+        assert standby.proc is not None
+        killed = time.monotonic()
+        os.kill(standby.proc.pid, signal.SIGKILL)
+        standby.proc.wait(10)
+        # The kubelet's part: the container exited, the pod is NotReady, the endpoint goes.
+        ha.set_ready(standby, False)
+        withdrawn = time.monotonic() - killed
+        holders = set()
+        deadline = time.monotonic() + LEASE_SECONDS + 2 * RETRY_SECONDS
+        while time.monotonic() < deadline:  # longer than a lease: a lost leader would show
+            holders.add(lease_holder(ha.coordination))
+            time.sleep(0.2)
+        ha.custom.create_namespaced_custom_object(
+            "strata.dev", "v1alpha1", ha.workload, "checkpointpolicies",
+            policy_obj(name="after-standby-kill", namespace=ha.workload, pvc=None),
+        )  # fmt: skip
+        reconciled = wait_for(
+            "the leader to reconcile a new policy",
+            lambda: _observed(ha.custom, ha.workload, "after-standby-kill") and time.monotonic(),
+            30,
+            ha.replicas,
+        )
+        stop.set()
+        for thread in workers:
+            thread.join(60)
+        holders.add(lease_holder(ha.coordination))
+        assert_report_folded(ha.core, ha.custom, leader, ha.workload, "p0-0", 43)
+
+        refused_at = [t for t, ok in out.times if not ok]
+        figures = {
+            "pods_created": out.created,
+            "pods_created_before_kill": before,
+            "refused": len(out.refused),
+            "refused_s_after_kill": [round(t - killed, 3) for t in refused_at],
+            "uninjected": len(out.uninjected),
+            "endpoint_withdrawn_s": round(withdrawn, 3),
+            "lease_holders_after_kill": sorted(h or "" for h in holders),
+            "reconcile_s": round(reconciled - killed, 2),
+            "refusals": [r.split("failed calling webhook", 1)[-1][:240] for r in out.refused],
+        }
+        print("\nHA standby kill: " + json.dumps(figures))
+        assert out.uninjected == [], out.uninjected[:10]
+        # The leader never lost the Lease, and its label still steers the reports to it.
+        assert holders == {leader.name}, holders
+        assert roles(ha.core)[leader.name] == "leader"
+        # Refused: only calls that reached the dead standby before its endpoint was withdrawn
+        # (the apiserver does not retry a webhook call); an EOF names no address.
+        dead = f"{standby.address}:{ha.webhook_port}"
+        assert all(dead in r or '": EOF' in r for r in out.refused), out.refused
+        assert all(t - killed <= withdrawn + 1.0 for t in refused_at), figures
+        assert out.created > before
+    finally:
+        stop.set()
+        for thread in workers:
+            thread.join(60)
 
 
 def _has_default_sa(core: Any, ns: str) -> bool:

@@ -20,7 +20,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from e2e.cluster import Binaries
-from e2e.test_helm import CHART, Helm
+from e2e.test_helm import CHART, KUBE_VERSION, Helm
 from strata_operator import main
 from strata_operator.leadership import ROLE_LABEL
 
@@ -91,6 +91,42 @@ def test_two_replicas_roll_without_a_gap_spread_and_keep_one_through_drains(char
     assert _one(custom, "Deployment")["spec"]["template"]["spec"]["affinity"] == {
         "nodeAffinity": {"x": 1}
     }
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        # 0 replicas: a `failurePolicy: Fail` webhook with no backend refuses every protected pod.
+        (["replicaCount=0"], "at '/replicaCount': minimum: got 0, want 1"),
+        (
+            [*HA, "shutdownDelaySeconds=-1"],
+            "at '/shutdownDelaySeconds': minimum: got -1, want 0",
+        ),
+        # The preStop sleep counts against the grace period: nothing left to stop gracefully.
+        (
+            [*HA, "shutdownDelaySeconds=30"],
+            "shutdownDelaySeconds (30) must be less than terminationGracePeriodSeconds (30)",
+        ),
+        (
+            [*HA, "shutdownDelaySeconds=10", "terminationGracePeriodSeconds=5"],
+            "shutdownDelaySeconds (10) must be less than terminationGracePeriodSeconds (5)",
+        ),
+    ],
+)
+def test_install_refuses_no_replicas_and_a_shutdown_delay_past_the_grace_period(
+    chart: Helm, values: list[str], message: str
+) -> None:
+    sets = [a for v in values for a in ("--set", v)]
+    proc = chart("template", "x", str(CHART), "--kube-version", KUBE_VERSION, *sets, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    # What is still accepted: a delay below the grace period, and any delay with one replica
+    # (no preStop sleep is rendered then).
+    for ok in (
+        [*HA, "shutdownDelaySeconds=29"],
+        [*HA, "shutdownDelaySeconds=0", "terminationGracePeriodSeconds=0"],
+        ["shutdownDelaySeconds=60"],
+    ):
+        chart.template(NS, ok)
 
 
 def test_every_replica_elects_with_the_chart_lease_and_the_operator_accepts_the_flags(

@@ -45,7 +45,7 @@ from typing import Any, cast
 
 import kopf
 
-from strata_operator import certs, leadership
+from strata_operator import certs, leadership, memory
 from strata_operator.admission.webhook import Webhook
 from strata_operator.constants import FINALIZER, PERSISTENCE_PREFIX, POLICY_LABEL
 from strata_operator.extension import Extension, ReportEndpoint, Wiring
@@ -421,6 +421,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.kubeconfig:
         use_kubeconfig(args.kubeconfig)
     setup_logging(args.log_format, verbose=args.verbose, debug=args.debug)
+    memory.limit_tls_buffers()
+    memory.TRIMMER.start()
+    memory.install_debug_snapshot()
     config.load_config()  # type: ignore[no-untyped-call]
     wiring = build_wiring(args)
     namespaces = tuple(args.namespace)

@@ -81,6 +81,11 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "livenessProbe.timeoutSeconds": {"minimum": 1},
     "livenessProbe.failureThreshold": {"minimum": 1},
     "terminationGracePeriodSeconds": {"minimum": 0},
+    # 0 replicas would leave a `failurePolicy: Fail` webhook with no backend: every protected pod
+    # refused. Scaling to 0 on purpose is `helm uninstall`.
+    "replicaCount": {"minimum": 1},
+    # Checked against terminationGracePeriodSeconds in templates/deployment.yaml.
+    "shutdownDelaySeconds": {"minimum": 0},
     "metrics.prometheusRule.noDurableStepMinutes": {"minimum": 1},
     "metrics.prometheusRule.promotionSlowSeconds": {"minimum": 1},
     "metrics.prometheusRule.saveStallSeconds": {"exclusiveMinimum": 0},

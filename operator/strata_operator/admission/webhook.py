@@ -51,7 +51,7 @@ from typing import Any
 import jsonpatch
 import kopf
 
-from strata_operator import api, certs
+from strata_operator import api, certs, memory
 from strata_operator import constants as k
 from strata_operator import metrics as m
 from strata_operator.admission import peer_admission, pod_checks
@@ -247,6 +247,7 @@ async def _admit(
     finally:
         m.ADMISSION_REQUESTS.labels(kind=kind, outcome=outcome).inc()
         m.ADMISSION_DURATION.labels(kind=kind).observe(time.perf_counter() - start)
+        memory.TRIMMER.closed()
 
 
 async def _admit_into(

@@ -73,7 +73,7 @@ from pydantic import ValidationError
 
 from strata.constants import REPORT_PATH
 from strata.reports import SidecarReport
-from strata_operator import certs
+from strata_operator import certs, memory
 from strata_operator import metrics as m
 from strata_operator.cluster import EventRecorder, EventSpec, StatusWriter, get_policy
 from strata_operator.constants import (
@@ -259,6 +259,7 @@ async def handle_report(state: ReceiverState, request: web.Request) -> web.Respo
         return web.json_response({"error": rej.reason, "message": rej.message}, status=rej.status)
     finally:
         m.REPORT_DURATION.observe(time.perf_counter() - start)
+        memory.TRIMMER.closed()  # returns the heap freed by closed report connections
 
 
 async def _handle(state: ReceiverState, request: web.Request) -> dict[str, Any]:
