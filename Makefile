@@ -10,7 +10,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 
 PY_DIRS := sidecar operator tests e2e bench examples charts/strata/hack
 
-.PHONY: maps help venv demo check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
+.PHONY: maps help venv demo demo-cluster check test test-unit test-integration test-e2e lint fmt typecheck crds crds-check \
         manifests manifests-check dist chart bench bench-sharded bench-smoke scale-large scale-data goodput tools node-prereqs images cluster-up cluster-down scale clean chaos
 .PHONY: bench-ready
 
@@ -27,6 +27,9 @@ venv: $(STAMP) ## create .venv and install strata with all extras
 
 demo: $(STAMP) ## the main job: train a small LM, checkpoint through RAM -> PVC -> GCS, recover from each tier
 	$(BIN)/python -m strata.demo $(DEMO_ARGS)
+
+demo-cluster: $(STAMP) tools images ## the Kubernetes half: the chart-installed operator on a real local node, RAM and PVC recoveries of real pods (root)
+	$(BIN)/python -m e2e.demo_cluster
 
 check: $(STAMP) ## the inner loop (under a minute warm): ruff, format check, mypy, import contracts, unit tests
 	$(BIN)/ruff check $(PY_DIRS)

@@ -435,14 +435,18 @@ class LocalCluster:
         *,
         die_with_parent: bool = True,
         extra_args: dict[str, list[str]] | None = None,
+        extra_serving_ips: tuple[str, ...] = (),
     ) -> None:
         """``die_with_parent``: the components get SIGKILL when the thread that started them
         exits (PR_SET_PDEATHSIG); start from a thread that outlives the cluster, or pass False
         (as ``python -m e2e.cluster up`` does) to let them outlive this process.
         ``extra_args``: more command-line flags per component name (e.g. ``{"kube-controller-
-        manager": ["--kube-api-qps=100"]}``), appended after the harness' own."""
+        manager": ["--kube-api-qps=100"]}``), appended after the harness' own.
+        ``extra_serving_ips``: more IP addresses the apiserver's certificate names (where a relay
+        makes it reachable besides loopback; `e2e.node.stack`)."""
         self.directory = directory.resolve()
         self.extra_args = extra_args or {}
+        self.extra_serving_ips = tuple(extra_serving_ips)
         self._binaries = binaries
         self.die_with_parent = die_with_parent
         self.pki = pki_mod.Pki(self.directory / "pki")
@@ -483,7 +487,7 @@ class LocalCluster:
         """
         begin = self._begin = time.monotonic()
         self.directory.mkdir(parents=True, exist_ok=True)
-        pki_mod.generate(self.pki.directory, _CLIENTS)
+        pki_mod.generate(self.pki.directory, _CLIENTS, extra_serving_ips=self.extra_serving_ips)
         (self.directory / "kwok-stages.yaml").write_text(
             build_stage_config(self.binaries.kwok_stages)
         )

@@ -108,9 +108,12 @@ def generate(
     directory: Path,
     clients: list[ClientIdentity],
     service_ip: str = "10.0.0.1",
+    extra_serving_ips: tuple[str, ...] = (),
 ) -> Pki:
     """Create the CA, serving certificate, service-account key pair and client certificates.
 
+    ``extra_serving_ips``: more IP addresses the apiserver's serving certificate names (an
+    address clients reach it at besides loopback, e.g. a relay on a node's bridge gateway).
     Overwrites files of the same names in ``directory`` (created when missing). Returns the paths.
     """
     directory.mkdir(parents=True, exist_ok=True)
@@ -166,6 +169,7 @@ def generate(
         x509.DNSName("kubernetes.default"),
         x509.DNSName("kubernetes.default.svc"),
         x509.DNSName("kubernetes.default.svc.cluster.local"),
+        *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_serving_ips),
     ]
     key, cert = leaf(
         x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]),

@@ -180,10 +180,10 @@ class RealNode:
         begin = time.monotonic()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
-        self._netns_before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
-        self._log_links_existed = POD_LOG_LINKS.is_dir()
         try:
-            self._network()
+            if self.subnet is None:  # else `reserve_network` made it
+                self._snapshot()
+                self._network()
             self._cgroups()
             self._start_containerd(begin + timeout)
             self.timings["containerd"] = time.monotonic() - begin
@@ -195,6 +195,25 @@ class RealNode:
             self.stop()
             raise
         return self.timings["node-ready"]
+
+    def reserve_network(self) -> str:
+        """Create the node's bridge and CNI configuration now, before `start` (which then keeps
+        them), and return the gateway address: for a control plane that must know it before it
+        starts (a certificate naming it). `stop` removes the bridge either way."""
+        if self.subnet is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._snapshot()
+            try:
+                self._network()
+            except BaseException:
+                self._remove_bridge()
+                raise
+        return self.gateway
+
+    def _snapshot(self) -> None:
+        """What exists before this node does (network namespaces, the pod log links' folder)."""
+        self._netns_before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
+        self._log_links_existed = POD_LOG_LINKS.is_dir()
 
     def _network(self) -> None:
         self.subnet = free_subnet()
@@ -543,7 +562,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             raise NodeError(f"still mounted: {left}")
 
     def _remove_netns(self) -> None:
-        if not NETNS_DIR.is_dir():
+        # Only containerd makes them: a node that never started it owns none.
+        if not NETNS_DIR.is_dir() or self.containerd is None:
             return
         for name in set(os.listdir(NETNS_DIR)) - self._netns_before:
             if name.startswith("cni-"):

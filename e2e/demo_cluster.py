@@ -1,0 +1,277 @@
+"""``make demo-cluster``: the Kubernetes half of ``make demo`` on a real node, Strata installed by
+its chart.
+
+`e2e.node.stack.OperatorPodStack` brings up a local control plane, a real kubelet + containerd
+node and ``helm install`` of ``charts/strata`` with the operator image built by ``make images``;
+then, in namespace ``demo``, a CheckpointPolicy (RAM every 2 steps, PVC every 4, a hostPath PV)
+and one training pod (``e2e/small_trainer.py`` in the trainer image, torch from the host) that
+the operator pod's webhook injects with the checkpoint sidecar:
+
+1. **ram**: the trainer's process is SIGKILLed; the kubelet restarts the container, and it
+   restores the newest step saved from the pod's RAM tier (a ``medium: Memory`` emptyDir);
+2. **pvc**: the pod is deleted (its RAM goes with it; the sidecar flushes the newest step to the
+   PVC on SIGTERM); a replacement pod of the same run restores that step from the PVC.
+
+Each restore is checked against what the trainer saved (step and sha256 of the weights), and
+the operator pod's view is shown: the restore folded into the policy's ``status.jobs[]`` from
+the sidecar's reports. Prints a table; exit status 0 only when every check held. Everything is
+torn down at the end (nothing is left on the machine). No GCS tier here: the injected sidecar
+has no route to an emulator (``make demo`` covers the GCS recovery and the loss plot).
+
+Usage: ``python -m e2e.demo_cluster`` (root; ``make tools images`` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from e2e.node.stack import OperatorPodStack
+from e2e.test_real_node import (
+    PVC_EVERY,
+    RAM_EVERY,
+    pod_events,
+    saved_events,
+    setup_pvc,
+    sigkill_trainer_and_restore,
+    trainer_pod,
+    wait_for,
+    wait_running,
+)
+from strata_operator.constants import POLICY_LABEL
+
+POLICY = "demo"
+
+
+@dataclass
+class Recovery:
+    """One recovery of the story: what failed, the tier and step restored, the seconds of the
+    restore itself and from the failure to the restored event, whether the bytes are the ones
+    saved, and the restore as the operator folded it into the policy status."""
+
+    failure: str
+    tier: str
+    step: int
+    restore_s: float
+    since_failure_s: float
+    bytes_match: bool
+    status: dict[str, Any]
+
+
+def policy() -> dict[str, Any]:
+    return {
+        "apiVersion": "strata.dev/v1alpha1",
+        "kind": "CheckpointPolicy",
+        "metadata": {"name": POLICY},
+        "spec": {
+            "tiers": {
+                "ram": {
+                    "medium": "Memory",
+                    "sizeLimit": "64Mi",
+                    "keep": 2,
+                    "every": {"steps": RAM_EVERY},
+                },
+                "pvc": {"claimName": "ckpt", "every": {"steps": PVC_EVERY}, "keep": 3},
+            },
+            "restore": {"allowFreshStart": True},
+            "sidecar": {"terminationGracePeriodSeconds": 30},
+        },
+    }
+
+
+def _job(stack: OperatorPodStack, ns: str, job_id: str) -> dict[str, Any]:
+    obj = stack.kubectl_json("-n", ns, "get", "checkpointpolicy", POLICY)
+    for job in (obj.get("status") or {}).get("jobs") or []:
+        if job.get("jobId") == job_id:
+            return dict(job)
+    return {}
+
+
+def _folded(stack: OperatorPodStack, ns: str, job_id: str, step: int) -> dict[str, Any]:
+    """Wait until the operator folded the restore of ``step`` into the policy status."""
+
+    def done() -> dict[str, Any] | None:
+        job = _job(stack, ns, job_id)
+        last = job.get("lastRestore") or {}
+        return job if last.get("outcome") == "restored" and last.get("step") == step else None
+
+    return wait_for(f"the restore of step {step} in the policy status", done, timeout=120)  # type: ignore[no-any-return]
+
+
+def _pod(stack: OperatorPodStack, name: str, run_id: str, steps: int) -> dict[str, Any]:
+    pod = trainer_pod(name, run_id, steps)
+    pod["metadata"]["labels"][POLICY_LABEL] = POLICY
+    pod["spec"]["hostAliases"] = stack.host_aliases()
+    return pod
+
+
+def run_story(stack: OperatorPodStack, ns: str, pvc_dir: Path, log: Any = print) -> list[Recovery]:
+    """The story in namespace ``ns`` (created here) with the PV at ``pvc_dir``; returns the
+    recoveries in order. Raises AssertionError when a check fails."""
+    cluster = stack.cluster
+    stack.create_namespace(ns)
+    setup_pvc(cluster, ns, pvc_dir)
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(policy()))
+    run_id = f"{ns}.charlm-{uuid.uuid4().hex[:4]}"
+    out: list[Recovery] = []
+
+    # --- 1. the trainer's process SIGKILLed: restored from the pod's RAM
+    log("[demo-cluster] creating the training pod (injected by the operator pod's webhook)")
+    cluster.kubectl(
+        "-n", ns, "create", "-f", "-", input=json.dumps(_pod(stack, "train-0", run_id, 2000))
+    )
+    pod = wait_running(cluster, ns, "train-0")
+    wait_for("three RAM saves", lambda: len(saved_events(cluster, ns, "train-0")) >= 3, 240)
+    log("[demo-cluster] SIGKILL of the trainer's process")
+    killed = sigkill_trainer_and_restore(cluster, ns, stack.node, "train-0", pod)
+    r = killed.restored
+    out.append(
+        Recovery(
+            "trainer SIGKILLed",
+            r["tier"],
+            r["step"],
+            float(r["seconds"]),
+            killed.restore_s,
+            r["weights_sha256"] == killed.saved[r["step"]],
+            _folded(stack, ns, run_id, r["step"]),
+        )
+    )
+
+    # --- 2. the pod deleted (its RAM with it): the replacement restores from the PVC
+    after = r["step"]
+    wait_for(
+        "a PVC step saved after the restore",
+        lambda: any(
+            e["step"] >= after + PVC_EVERY + 1 for e in saved_events(cluster, ns, "train-0")
+        ),
+        timeout=240,
+    )
+    log("[demo-cluster] deleting the pod (its RAM tier goes with it)")
+    cluster.kubectl("-n", ns, "delete", "pod", "train-0", "--wait=false")
+    deleted = time.monotonic()
+    saves: list[dict[str, Any]] = []
+
+    def gone() -> bool:
+        nonlocal saves
+        current = saved_events(cluster, ns, "train-0")
+        if len(current) >= len(saves):
+            saves = current
+        return not cluster.kubectl(
+            "-n", ns, "get", "pod", "train-0", "--ignore-not-found", check=False
+        ).strip()
+
+    wait_for("the pod to be deleted", gone, timeout=120)
+    by_step = {e["step"]: e["weights_sha256"] for e in saves}
+    newest = max(by_step)
+    log("[demo-cluster] creating the replacement pod")
+    cluster.kubectl(
+        "-n", ns, "create", "-f", "-", input=json.dumps(_pod(stack, "train-1", run_id, 2000))
+    )
+    wait_running(cluster, ns, "train-1")
+    restored = wait_for(
+        "the replacement's restored event",
+        lambda: next(
+            (e for e in pod_events(cluster, ns, "train-1") if e["event"] == "restored"), None
+        ),
+        timeout=180,
+    )
+    assert restored["tier"] == "pvc", restored
+    assert restored["step"] == newest, (restored, sorted(by_step))
+    out.append(
+        Recovery(
+            "pod deleted (RAM lost)",
+            restored["tier"],
+            restored["step"],
+            float(restored["seconds"]),
+            time.monotonic() - deleted,
+            restored["weights_sha256"] == by_step[newest],
+            _folded(stack, ns, run_id, restored["step"]),
+        )
+    )
+    return out
+
+
+def table(recoveries: list[Recovery]) -> str:
+    rows = [("failure", "tier", "step", "restore s", "since failure s", "bytes", "status says")]
+    for r in recoveries:
+        last = r.status.get("lastRestore") or {}
+        rows.append(
+            (
+                r.failure,
+                r.tier,
+                str(r.step),
+                f"{r.restore_s:.3f}",
+                f"{r.since_failure_s:.1f}",
+                "identical" if r.bytes_match else "DIFFER",
+                f"step {last.get('step')} from {last.get('tier')}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.demo_cluster", description=__doc__)
+    parser.parse_args(argv)
+    from e2e.cluster import Binaries, BinariesMissing
+    from e2e.node.harness import NodeUnavailable, missing_prerequisites
+    from e2e.node.images import IMAGES, ImageBuildError, build_image
+
+    try:
+        binaries = Binaries.locate()
+    except BinariesMissing as exc:
+        print(f"demo-cluster: {exc}", file=sys.stderr)
+        return 2
+    missing = missing_prerequisites(binaries.bin_dir)
+    if missing or not (binaries.bin_dir / "helm").is_file():
+        print(f"demo-cluster needs: {'; '.join(missing) or 'helm (make tools)'}", file=sys.stderr)
+        return 2
+    try:
+        images = {spec.name: build_image(spec) for spec in IMAGES}
+    except ImageBuildError as exc:
+        print(f"demo-cluster: an image failed to build ({exc}); run make images", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="strata-demo-cluster-") as tmp:
+        stack = OperatorPodStack(
+            Path(tmp), images, binaries, log=lambda msg: print(f"[demo-cluster] {msg}")
+        )
+        print("[demo-cluster] control plane, real node, helm install of charts/strata ...")
+        try:
+            stack.start()
+        except NodeUnavailable as exc:
+            print(f"demo-cluster: {exc}", file=sys.stderr)
+            return 2
+        took = ", ".join(f"{k} at {v:.0f} s" for k, v in stack.timings.items())
+        print(f"[demo-cluster] up: {took}; operator pod {stack.operator_pod['metadata']['name']}")
+        try:
+            recoveries = run_story(stack, "demo", Path(tmp) / "pvc")
+            ok = all(r.bytes_match for r in recoveries) and [r.tier for r in recoveries] == [
+                "ram",
+                "pvc",
+            ]
+        except AssertionError as exc:
+            print(f"[demo-cluster] FAILED: {exc}", file=sys.stderr)
+            recoveries, ok = [], False
+        finally:
+            print("[demo-cluster] tearing down")
+            stack.stop()
+        left = stack.leftovers()
+    if recoveries:
+        print(table(recoveries))
+    if left:
+        print(f"[demo-cluster] left on the machine: {left}", file=sys.stderr)
+    print("[demo-cluster] every check held" if ok and not left else "[demo-cluster] FAILED")
+    return 0 if ok and not left else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
