@@ -232,7 +232,7 @@ def test_retention_gc_respects_grace_writer_and_never_deletes_the_newest_complet
     assert {15, 10, 20} <= set(pvc.list_steps(JOB))
     now[0] += 3601
     os.utime(partial, (now[0] - 7200, now[0] - 7200))
-    engine._progress["pvc"].last_maintenance = None
+    engine.views.progress["pvc"].last_maintenance = None
     engine.promote_once()
     steps = pvc.list_steps(JOB)
     assert 15 not in steps  # our uncommitted leftovers: collected

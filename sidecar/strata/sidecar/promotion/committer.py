@@ -18,16 +18,22 @@ GCS; the same directory reads on a shared Lustre/Filestore metadata server). So:
   costs each waiting sidecar one step listing per ``takeover_seconds``, not one per round.
   Two writers racing is harmless: the record is created only if absent and an identical one is
   accepted (:func:`strata.tiers.records.write_commit`).
+
+:class:`CommitDuty` keeps the takeover clocks; :class:`Committer` binds it to one sidecar (the
+job, its durable tiers, this pod's writer id) for the engine's parts that settle steps: the
+round, maintenance and back-fill.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
-from strata.errors import CommitError
+from strata.config import TierName
+from strata.errors import CommitError, TierError
 from strata.format.commit import StepCommit
 from strata.format.incarnation import Incarnation
+from strata.sidecar.promotion.world import World
 from strata.tiers.base import Tier
 from strata.tiers.records import commit_if_complete, read_commit
 
@@ -116,3 +122,54 @@ class CommitDuty:
     def forget_older_than(self, step: int) -> None:
         for key in [k for k in self._since if k[1] < step]:
             del self._since[key]
+
+
+class Committer:
+    """Settles steps' commit records in the durable tiers ``durable`` of job ``job_id`` for
+    the sidecar whose pod writer id is ``writer_id``, through ``duty`` (its takeover clocks).
+    Called under the tier's lock, like :class:`CommitDuty`.
+    """
+
+    def __init__(
+        self, duty: CommitDuty, job_id: str, durable: Mapping[TierName, Tier], writer_id: str
+    ) -> None:
+        self.duty = duty
+        self.job_id = job_id
+        self.durable = durable
+        self.writer_id = writer_id
+
+    def designated(self, step: int, world: World, ranks: Collection[int] | None = None) -> bool:
+        """Whether this sidecar, serving ``ranks`` (default: the local ranks of ``world``), is
+        ``step``'s commit writer at ``world``'s world size (every sidecar is while it is unknown)."""
+        return self.duty.designated(step, world.world_size, world.ranks if ranks is None else ranks)
+
+    def settle(
+        self,
+        name: TierName,
+        step: int,
+        world: World,
+        *,
+        ranks: Collection[int] | None = None,
+        incarnation: str | None = None,
+        records: Iterable[Incarnation] | None = None,
+    ) -> StepCommit | None:
+        """:meth:`CommitDuty.settle` of ``step`` in tier ``name`` at ``world``'s world size, for
+        ``ranks`` (default: the local ranks of ``world``) and the step's own ``incarnation`` with
+        its ``records`` (default: ``world``'s current incarnation and :meth:`World.chain`).
+
+        None while the record is not there; a tier or commit error is logged, never raised
+        (the step is settled again in a later round)."""
+        try:
+            return self.duty.settle(
+                self.durable[name],
+                self.job_id,
+                step,
+                writer_id=self.writer_id,
+                ranks=world.ranks if ranks is None else ranks,
+                world_size=world.world_size,
+                incarnation=world.incarnation if incarnation is None else incarnation,
+                records=world.chain() if records is None else records,
+            )
+        except (TierError, CommitError) as exc:
+            log.warning("commit record of step %d in %s not written: %s", step, name, exc)
+            return None

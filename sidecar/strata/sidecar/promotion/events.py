@@ -50,3 +50,8 @@ class RoundResult:
     deleted: dict[TierName, list[int]] = field(default_factory=dict)
     committed: dict[TierName, int] = field(default_factory=dict)
     """Tier -> step whose global commit record this engine wrote this round."""
+
+    def add_deleted(self, tier: TierName, steps: list[int]) -> None:
+        """Record ``steps`` deleted from ``tier`` (merged with those already recorded, ascending)."""
+        if steps:
+            self.deleted[tier] = sorted({*self.deleted.get(tier, []), *steps})

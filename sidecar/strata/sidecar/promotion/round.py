@@ -1,15 +1,21 @@
 """The promotion round: RAM -> PVC -> GCS for the ranks a sidecar serves (:class:`PromotionEngine`).
 
-The engine composes the package's parts, each taking only what it needs:
-:class:`~strata.sidecar.promotion.ram_source.RamSource` (the local ranks, their RAM steps and
-checksummed manifests), :class:`~strata.sidecar.promotion.tier_views.TierViews` (each durable
-tier's live committed steps), :class:`~strata.sidecar.promotion.copy.ShardCopier` (one shard,
-verified, with retries), :class:`~strata.sidecar.promotion.committer.CommitDuty` (the global
-commit record), :class:`~strata.sidecar.promotion.retention.Retention`,
+The engine builds the package's parts and wires them, each taking only the collaborators it
+needs (none sees the engine): :class:`~strata.sidecar.promotion.ram_source.RamSource` (the local
+ranks, their RAM steps and checksummed manifests),
+:class:`~strata.sidecar.promotion.tier_views.TierViews` (each durable tier's live committed
+steps), :class:`~strata.sidecar.promotion.copy.ShardCopier` (one shard, verified, with retries),
+:class:`~strata.sidecar.promotion.committer.Committer` (the global commit record),
+:class:`~strata.sidecar.promotion.tier_round.TierRound` (one tier's copy, verify, commit),
+:class:`~strata.sidecar.promotion.maintenance.Maintenance` (commit records still missing,
+:class:`~strata.sidecar.promotion.backfill.Backfill`,
+:class:`~strata.sidecar.promotion.collection.Collector`,
+:class:`~strata.sidecar.promotion.retention.Retention`),
 :class:`~strata.sidecar.promotion.capacity.CapacityWatch` (a tier too small for keep + 1
 steps), :func:`~strata.sidecar.promotion.pruning.prune_ram` (start-up) and
-:func:`~strata.sidecar.promotion.flush.flush` (SIGTERM; it sees the engine only as a
-:class:`~strata.sidecar.promotion.flush.FlushTarget`).
+:func:`~strata.sidecar.promotion.flush.flush` (SIGTERM, over a
+:class:`~strata.sidecar.promotion.flush.TierFlush`). The engine itself runs the round: one
+RAM listing, then each durable tier under its lock.
 
 What it does each round (:meth:`PromotionEngine.promote_once`), for the *local ranks* (the ranks
 whose RAM data this sidecar sees, plus those declared through the local API):
@@ -54,26 +60,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 from strata import faults
 from strata.config import StrataConfig, TierName
-from strata.errors import CommitError, TierError
-from strata.format.commit import StepCommit
-from strata.format.incarnation import Incarnation, Lineage
-from strata.format.manifest import Manifest
-from strata.sidecar.promotion.backfill import backfill_steps
+from strata.sidecar.promotion.backfill import Backfill
 from strata.sidecar.promotion.capacity import CapacityWatch
-from strata.sidecar.promotion.collection import collectible_steps, shards_superseded
-from strata.sidecar.promotion.committer import CommitDuty
+from strata.sidecar.promotion.collection import Collector
+from strata.sidecar.promotion.committer import CommitDuty, Committer
 from strata.sidecar.promotion.copy import ShardCopier
 from strata.sidecar.promotion.events import PromotionEvent, RoundResult
-from strata.sidecar.promotion.flush import FlushAttempt, FlushResult, FlushView, flush
+from strata.sidecar.promotion.flush import FlushResult, TierFlush, flush
+from strata.sidecar.promotion.maintenance import Maintenance
 from strata.sidecar.promotion.policies import TierPolicy, tier_policies
-from strata.sidecar.promotion.progress import choose_step
 from strata.sidecar.promotion.pruning import prune_ram
 from strata.sidecar.promotion.ram_source import RamSource
 from strata.sidecar.promotion.retention import Retention
+from strata.sidecar.promotion.tier_round import TierRound
 from strata.sidecar.promotion.tier_views import TierViews
 from strata.sidecar.promotion.world import World
 from strata.tiers.base import StepListing, Tier
@@ -115,7 +117,7 @@ class PromotionEngine:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.job_id = config.job_id
+        self.job_id = job_id = config.job_id
         self.ram = ram
         self.durable: dict[TierName, Tier] = {
             name: durable[name] for name in DURABLE_TIERS if name in durable
@@ -126,20 +128,17 @@ class PromotionEngine:
             raise ValueError(f"no promotion policy for tier(s) {missing}")
         self.writer_id = config.pod_writer_id
         self._on_event = on_event
-        self.max_workers = max(1, max_workers)
-        self.maintenance_seconds = maintenance_seconds
         self._clock = clock
-        self._wall = wall_clock
         self._tier_locks: dict[TierName, threading.Lock] = {
             t: threading.Lock() for t in self.durable
         }
         self._stopping = threading.Event()
-        self._started = clock()
+        emit = self._emit
         self.copier = ShardCopier(
-            self.job_id,
+            job_id,
             ram,
             self.durable,
-            emit=self._emit,
+            emit=emit,
             clock=clock,
             lease_timeout=lease_timeout,
             max_attempts=max_attempts,
@@ -149,24 +148,51 @@ class PromotionEngine:
         )
         self.source = RamSource(
             ram,
-            self.job_id,
+            job_id,
             local_ranks=local_ranks,
             quarantine=self.copier.quarantine,
-            emit=self._emit,
+            emit=emit,
             clock=clock,
             seal_after_seconds=seal_after_seconds,
             lease_timeout=lease_timeout,
         )
         """The RAM side: local ranks, their steps and manifests (:mod:`.ram_source`)."""
-        self.views = TierViews(self.job_id, self.durable, lambda: self.source.world, self._emit)
+        self.views = TierViews(job_id, self.durable, lambda: self.source.world, emit)
         """Each durable tier's live committed steps (:mod:`.tier_views`)."""
-        self._progress = self.views.progress
-        self.capacity = CapacityWatch(self.job_id, self.durable, self.policies, self._emit)
-        self.retention = Retention(
-            self.job_id, grace_seconds=config.gc_grace_seconds, wrote=self.wrote, emit=self._emit
-        )
+        self.capacity = CapacityWatch(job_id, self.durable, self.policies, emit)
         self.commits = CommitDuty(clock)
         """Designated commit writer per step, with takeover (:mod:`.committer`)."""
+        committer = Committer(self.commits, job_id, self.durable, self.writer_id)
+        intervals = {name: p.interval for name, p in self.policies.items()}
+        keep = {name: p.retention for name, p in self.policies.items()}
+        self.rounds = TierRound(
+            self.views,
+            intervals,
+            self.copier,
+            self.capacity,
+            committer,
+            clock=clock,
+            started=clock(),
+            max_workers=max_workers,
+            emit=emit,
+        )
+        """One tier's copy, verify and commit (:mod:`.tier_round`)."""
+        self.retention = Retention(
+            job_id, grace_seconds=config.gc_grace_seconds, wrote=self.wrote, emit=emit
+        )
+        self.maintenance = Maintenance(
+            self.views,
+            keep,
+            self.rounds.commit_missing,
+            backfill=Backfill(self.views, self.copier, committer, keep, clock=clock, emit=emit),
+            collector=Collector(self.views, committer, emit),
+            retention=self.retention,
+            clock=clock,
+            wall_clock=wall_clock,
+            every_seconds=maintenance_seconds,
+        )
+        """Per tier, after a promotion and every ``maintenance_seconds`` (:mod:`.maintenance`)."""
+        self._flush_target = TierFlush(self.source, self.views, self.copier, self.rounds)
 
     # -- ranks and RAM state (:class:`RamSource`) -------------------------------------------------
 
@@ -193,6 +219,7 @@ class PromotionEngine:
         return max(self.source.steps_of(ranks), default=None)
 
     def last_promoted(self) -> dict[TierName, int | None]:
+        """Per durable tier, its newest live committed step (None: none)."""
         return self.views.last_promoted()
 
     # -- the round --------------------------------------------------------------------------------
@@ -200,7 +227,7 @@ class PromotionEngine:
     def promote_once(
         self, *, force_tier: TierName | None = None, seal: bool = False
     ) -> RoundResult:
-        """One round: promote the newest RAM step where due, then retention where due.
+        """One round: promote the newest RAM step where due, then maintenance where due.
 
         ``force_tier``: promote to that tier regardless of its interval (flush).
         Each tier is worked on under its own lock, so a slow GCS upload never holds up the PVC
@@ -217,6 +244,7 @@ class PromotionEngine:
         if step is not None and manifests is not None:
             result.ram_step = step
         self._forget_older_than(step, min(ram_steps, default=None))
+        progress = self.views.progress
         for name in self.durable:
             if force_tier is not None and name != force_tier:
                 continue
@@ -224,33 +252,21 @@ class PromotionEngine:
                 break
             with self._tier_locks[name]:
                 # Behind: re-read once this node's current incarnation changes (views.init).
-                if not self.views.init(name, ranks) or self._progress[name].behind:
+                if not self.views.init(name, ranks) or progress[name].behind:
                     continue
                 force = force_tier == name
                 # The tier's own committed steps and its interval pick which RAM step (see
                 # strata.sidecar.promotion.progress); a flush takes the newest.
-                p = self._progress[name]
-                tier_step = (
-                    step
-                    if force
-                    else choose_step(
-                        p,
-                        self.policies[name].interval,
-                        ram_steps,
-                        self._clock(),
-                        p.last_time or self._started,
-                        self.copier.given_up(name),
-                    )
-                )
+                tier_step = step if force else self.rounds.choose(name, ram_steps)
                 tier_manifests = manifests
                 if tier_step != step:
                     tier_manifests = (
                         None if tier_step is None else self.source.manifests(tier_step, ranks, seal)
                     )
                 if tier_step is not None and tier_manifests is not None:
-                    self._promote_if_due(name, tier_step, tier_manifests, force, result)
+                    self.rounds.promote_if_due(name, tier_step, tier_manifests, force, result)
                 if force_tier is None:
-                    self._maintain_if_due(name, ranks, result)
+                    self.maintenance.run_if_due(name, ranks, result)
         return result
 
     def _forget_older_than(self, step: int | None, oldest: int | None) -> None:
@@ -261,313 +277,15 @@ class PromotionEngine:
         self.source.forget_older_than(step)
         self.copier.forget_older_than(step if oldest is None else oldest)
 
-    def _promote_if_due(
-        self,
-        name: TierName,
-        step: int,
-        manifests: dict[int, Manifest],
-        force: bool,
-        result: RoundResult,
-    ) -> None:
-        progress = self._progress[name]
-        if progress.last_step is not None and step <= progress.last_step:
-            return
-        waiting = step in progress.placed and set(manifests) <= progress.placed[step]
-        due = (
-            force
-            or waiting
-            or self.policies[name].interval.due(
-                step, progress.last_step, self._clock(), progress.last_time or self._started
-            )
-        )
-        if not due:
-            return
-        if not waiting:
-            failures = self._promote_step(name, step, manifests)
-            if failures:
-                result.failed[name] = failures
-                return
-            result.promoted[name] = step
-        self._commit(name, step, result)
-
-    def _commit(self, name: TierName, step: int, result: RoundResult) -> None:
-        """Learn or write the step's global commit record in the tier: its designated writer
-        writes it once every rank's shard of the current incarnation is there, the others read
-        it (or take over after a timeout); :mod:`strata.sidecar.promotion.committer`."""
-        tier = self.durable[name]
-        try:
-            commit = self.commits.settle(
-                tier,
-                self.job_id,
-                step,
-                writer_id=self.writer_id,
-                ranks=self.world.ranks,
-                world_size=self.world.world_size,
-                incarnation=self.world.incarnation,
-                records=self.world.chain(),
-            )
-        except (TierError, CommitError) as exc:
-            log.warning("commit record of step %d in %s not written: %s", step, name, exc)
-            return
-        if commit is None:
-            return
-        progress = self._progress[name]
-        progress.set_committed({**progress.committed, step: commit})
-        result.committed[name] = step
-        self._emit(PromotionEvent("committed", name, step, tuple(range(commit.world_size))))
-
-    def _maintain_if_due(self, name: TierName, ranks: set[int], result: RoundResult) -> None:
-        p = self._progress[name]
-        now = self._clock()
-        if name in result.promoted or (
-            p.last_maintenance is None or now - p.last_maintenance >= self.maintenance_seconds
-        ):
-            p.last_maintenance = now
-            self._commit_finished(name, result)
-            self._backfill(name, ranks, result)
-            collected = self._collect(name, result)
-            deleted = self.retention.maintain(
-                self.durable[name],
-                ranks,
-                self.policies[name].retention,
-                now=self._wall(),
-                first_seen=p.first_seen,
-                complete=set(p.committed),
-            )
-            if deleted:
-                result.deleted[name] = sorted({*result.deleted.get(name, []), *deleted})
-            if deleted or collected:
-                self.views.refresh(name)
-
-    # -- back-fill and collection (any sidecar, for any incarnation's steps) ----------------------
-
-    def _backfill(self, name: TierName, ranks: set[int], result: RoundResult) -> None:
-        """Copy into ``name`` the live steps of earlier incarnations that a faster durable tier
-        holds and ``name`` lacks, where retention would keep them
-        (:mod:`strata.sidecar.promotion.backfill`). Failures are retried in later rounds."""
-        p = self._progress[name]
-        world = self.world
-        if p.behind is not None or world.incarnation is None or not ranks:
-            return
-        for src_name in self.durable:
-            if src_name == name:
-                return
-            src = self._progress[src_name]
-            if not src.initialised or src.behind is not None:
-                continue
-            steps = backfill_steps(
-                src.committed, p.committed, self.policies[name].retention, world.incarnation
-            )
-            for step in steps:
-                self._backfill_step(name, src_name, src.committed[step], ranks, result)
-            if steps:
-                return
-
-    def _backfill_step(
-        self,
-        name: TierName,
-        src_name: TierName,
-        commit: StepCommit,
-        ranks: set[int],
-        result: RoundResult,
-    ) -> None:
-        step, w = commit.step, commit.world_size
-        world = self.world
-        mine = {r for r in ranks if r < w}
-        if self.commits.designated(step, world.world_size, ranks):
-            mine |= set(range(min(world.world_size or w, w), w))  # ranks no sidecar here serves
-        source = self.durable[src_name]
-        copied: list[int] = []
-        nbytes = 0
-        started = self._clock()
-        for rank in sorted(mine):
-            try:
-                m = source.get_manifest(self.job_id, step, rank)
-            except TierError as exc:
-                log.info("back-fill of rank %d of step %d skipped: %s", rank, step, exc)
-                continue
-            if m.incarnation != commit.incarnation or m.refs is not None or m.components:
-                # Only a full copy of the committed shard is a source (an incremental copy
-                # needs its base; that case stays on the source tier).
-                continue
-            self.views.drop_superseded(name, step, [rank])
-            ok, n, msg = self.copier.promote_shard(name, step, rank, m)
-            if not ok:
-                result.failed.setdefault(name, []).append(msg)
-                continue
-            if n:
-                copied.append(rank)
-                nbytes += n
-        if copied:
-            seconds = self._clock() - started
-            log.info(
-                "back-filled ranks %s of step %d (incarnation %s) from %s to %s (%d bytes)",
-                copied,
-                step,
-                commit.incarnation,
-                src_name,
-                name,
-                nbytes,
-                extra={"event": "backfilled", "tier": name, "step": step, "ranks": copied},
-            )
-            self._emit(PromotionEvent("promoted", name, step, tuple(copied), nbytes, seconds))
-        try:
-            done = self.commits.settle(
-                self.durable[name],
-                self.job_id,
-                step,
-                writer_id=self.writer_id,
-                ranks=ranks,
-                world_size=world.world_size,
-                incarnation=commit.incarnation,
-                records=_chain(self._progress[src_name].lineage.records, commit.incarnation),
-            )
-        except (TierError, CommitError) as exc:
-            log.warning("commit record of back-filled step %d in %s: %s", step, name, exc)
-            return
-        if done is not None:
-            result.committed.setdefault(name, step)
-            self._emit(PromotionEvent("committed", name, step, tuple(range(done.world_size))))
-
-    def _collect(self, name: TierName, result: RoundResult) -> list[int]:
-        """Delete the superseded steps of ``name`` this sidecar is the designated collector of
-        (:mod:`strata.sidecar.promotion.collection`); returns the steps deleted."""
-        p = self._progress[name]
-        world = self.world
-        if p.behind is not None or world.incarnation is None or p.last_step is None:
-            return []
-        if not all(q.initialised for q in self._progress.values()):
-            return []  # a tier whose view is unknown may hold a live copy being back-filled
-        tier = self.durable[name]
-        elsewhere = {s for n, q in self._progress.items() if n != name for s in q.committed}
-
-        def designated(step: int) -> bool:
-            return self.commits.designated(step, world.world_size, world.ranks)
-
-        steps = collectible_steps(
-            p.lineage, p.dead, p.last_step, eligible_elsewhere=elsewhere, designated=designated
-        )
-        try:
-            for s in tier.step_numbers(self.job_id):
-                if s >= p.last_step:
-                    break
-                if s in p.committed or s in p.dead or s in elsewhere or not designated(s):
-                    continue
-                if self._uncommitted_superseded(tier, s, p.lineage):
-                    steps.append(s)
-        except TierError as exc:
-            log.info("collection on %s: %s", name, exc)
-        deleted: list[int] = []
-        for s in sorted(steps):
-            c = p.dead.get(s)
-            why = (
-                p.lineage.why_dead(c.incarnation, s)
-                if c is not None
-                else f"every shard of step {s} belongs to a superseded incarnation"
-            )
-            try:
-                tier.delete_step(self.job_id, s)
-            except TierError as exc:
-                log.warning("collection of superseded step %d on %s failed: %s", s, name, exc)
-                continue
-            deleted.append(s)
-            log.info(
-                "collected superseded step %d from %s: %s",
-                s,
-                name,
-                why,
-                extra={"event": "collected", "tier": name, "step": s},
-            )
-            self._emit(PromotionEvent("superseded", name, s, message=why))
-        if deleted:
-            result.deleted[name] = sorted({*result.deleted.get(name, []), *deleted})
-        return deleted
-
-    def _uncommitted_superseded(self, tier: Tier, step: int, lin: Lineage) -> bool:
-        listing = tier.list_step(self.job_id, step)
-        if listing is None or listing.has_commit:
-            return False
-        manifests = []
-        for rank in sorted(listing.committed_ranks):
-            try:
-                manifests.append(tier.get_manifest(self.job_id, step, rank))
-            except TierError:
-                return False
-        return shards_superseded(lin, step, manifests)
-
-    def _commit_finished(self, name: TierName, result: RoundResult) -> None:
-        """Commit steps newer than the tier's newest commit whose record is missing: steps
-        this sidecar placed shards of (their designated writer may have died: takeover) and
-        steps it is the designated writer of (its RAM may have lost them). One listing of the
-        step names, never of the shards (:mod:`strata.sidecar.promotion.committer`)."""
-        if not self.views.refresh(name):
-            return
-        p = self._progress[name]
-        try:
-            steps = self.durable[name].step_numbers(self.job_id)
-        except TierError:
-            return
-        for step in steps:
-            if step in p.committed or (p.last_step is not None and step <= p.last_step):
-                continue
-            if step in p.placed or self.commits.designated(
-                step, self.world.world_size, self.world.ranks
-            ):
-                self._commit(name, step, result)
-
-    def _promote_step(self, name: TierName, step: int, manifests: dict[int, Manifest]) -> list[str]:
-        """Copy every local shard of ``step`` into tier ``name``; returns failure messages.
-
-        A shard of a superseded incarnation already there for a rank (a replay rewrites the
-        step) is removed first: it can never be restored, and GCS never overwrites an object."""
-        started = self._clock()
-        ranks = sorted(manifests)
-        self.views.drop_superseded(name, step, ranks)
-        with ThreadPoolExecutor(
-            max_workers=min(self.max_workers, len(ranks)), thread_name_prefix=f"strata-{name}"
-        ) as pool:
-            outcomes = list(
-                pool.map(lambda r: self.copier.promote_shard(name, step, r, manifests[r]), ranks)
-            )
-        failures = [msg for ok, _n, msg in outcomes if not ok]
-        if failures:
-            if self.copier.full.get(name) == step:
-                self.capacity.check(name, step, manifests)
-            return failures
-        self.copier.full.pop(name, None)
-        self.capacity.fits(name, step)
-        nbytes = sum(n for _ok, n, _msg in outcomes)
-        seconds = self._clock() - started
-        progress = self._progress[name]
-        progress.placed.setdefault(step, set()).update(ranks)
-        progress.last_time = self._clock()
-        log.info(
-            "promoted step %d to %s (%d bytes, %.3fs)",
-            step,
-            name,
-            nbytes,
-            seconds,
-            extra={
-                "event": "promoted",
-                "tier": name,
-                "step": step,
-                "bytes": nbytes,
-                "ranks": ranks,
-            },
-        )
-        self._emit(PromotionEvent("promoted", name, step, tuple(ranks), nbytes, seconds))
-        return []
-
-    # -- retention --------------------------------------------------------------------------------
-
     def wrote(self, writer_id: str) -> bool:
         """Whether a manifest's writer id is this pod's: the sidecar's own id, or one of its
         trainers' (the client stamps ``<pod writer id>/rank-<r>``)."""
         return writer_id == self.writer_id or writer_id.startswith(self.writer_id + "/")
 
-    # -- SIGTERM (the engine as a :class:`~strata.sidecar.promotion.flush.FlushTarget`) -----------
+    # -- SIGTERM ----------------------------------------------------------------------------------
 
     def fastest_durable(self) -> TierName | None:
+        """The tier the SIGTERM flush goes to (None: no durable tier)."""
         return next(iter(self.durable), None)
 
     def flush(self, deadline: float) -> FlushResult:
@@ -580,56 +298,9 @@ class PromotionEngine:
         the deadline. Only the target tier is listed (a slow or unreachable GCS never delays a
         flush to the PVC). Returns what happened; never raises.
         """
-        return flush(self, deadline)
-
-    def now(self) -> float:
-        """The engine's clock (seconds; deadlines are on it)."""
-        return self._clock()
-
-    def stop_interval_promotion(self) -> None:
-        """From now on only forced rounds (the flush) promote."""
-        self._stopping.set()
-
-    def tier_lock(self, name: TierName) -> threading.Lock:
-        """The lock serialising work on one durable tier."""
-        return self._tier_locks[name]
-
-    def flush_view(self, tier: TierName) -> FlushView:
-        """Under ``tier``'s lock: the local ranks, their newest common RAM step and the newest
-        step on a durable tier (one listing of the RAM tier, one read of ``tier``)."""
-        listing = self.source.listing()
-        ranks = self.source.local_ranks(listing)
-        self.views.init(tier, ranks)
-        step = max(self.source.steps_of(ranks, listing), default=None)
-        return FlushView(ranks, step, self.newest_durable_step(tier, ranks))
-
-    def force_promote(self, tier: TierName, step: int, ranks: set[int]) -> FlushAttempt:
-        """Under ``tier``'s lock: one forced promotion of ``step`` for ``ranks``, ignoring the
-        shards' backoff and checksumming RAM shards whose writer did not."""
-        for rank in ranks:
-            self.copier.reset(tier, step, rank)
-        manifests = self.source.manifests(step, ranks, seal=True)
-        if manifests is None:
-            return FlushAttempt(False)
-        result = RoundResult(ram_step=step)
-        self._promote_if_due(tier, step, manifests, True, result)
-        if result.promoted.get(tier) == step:
-            return FlushAttempt(True, nbytes=sum(m.data_nbytes for m in manifests.values()))
-        return FlushAttempt(False, failures=result.failed.get(tier))
-
-    def holds(self, tier: TierName, step: int, ranks: set[int]) -> bool:
-        """This engine committed ``step`` (or a newer one) in ``tier``, or placed the shards of
-        every rank of ``ranks`` there (their commit record may still wait for other nodes)."""
-        progress = self._progress[tier]
-        if progress.last_step is not None and step <= progress.last_step:
-            return True
-        placed = progress.placed.get(step)
-        return placed is not None and bool(ranks) and ranks <= placed
-
-    def newest_durable_step(self, tier: TierName, ranks: set[int]) -> int | None:
-        """Newest step holding every local shard on a durable tier: what this engine promoted
-        or found at start, and a fresh read of ``tier`` (:meth:`TierViews.newest_durable_step`)."""
-        return self.views.newest_durable_step(tier)
+        self._stopping.set()  # from now on only forced rounds (the flush) promote
+        tier = self.fastest_durable()
+        return flush(self._flush_target, tier, self._tier_locks, self._clock, deadline)
 
     # -- loop, events, start-up (C-12) --------------------------------------------------------------
 
@@ -654,16 +325,6 @@ class PromotionEngine:
         """Keep only the newest committed RAM step of each rank; drop everything else
         (:func:`strata.sidecar.promotion.pruning.prune_ram`). Returns the (step, rank) removed."""
         return prune_ram(self.ram, self.job_id, self.config.ram.keep)
-
-
-def _chain(records: Mapping[str, Incarnation], incarnation: str) -> list[Incarnation]:
-    """The records of ``incarnation`` and its known ancestors (copied next to a commit)."""
-    out: list[Incarnation] = []
-    inc: str | None = incarnation
-    while inc and inc in records and records[inc] not in out:
-        out.append(records[inc])
-        inc = records[inc].parent
-    return out
 
 
 def _incremental(config: StrataConfig, name: TierName) -> bool:

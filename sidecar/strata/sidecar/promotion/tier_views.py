@@ -43,6 +43,10 @@ class TierViews:
         self._emit = emit
         self.progress: dict[TierName, TierProgress] = {t: TierProgress() for t in durable}
 
+    def world(self) -> World:
+        """The current snapshot of this node's incarnation, which the views judge by."""
+        return self._world()
+
     def init(self, name: TierName, ranks: set[int]) -> bool:
         """Start a durable tier's interval from its newest live committed step (once the ranks
         are known, and again whenever the current incarnation changes); False while the tier

@@ -60,13 +60,17 @@ class World:
     def chain(self) -> list[Incarnation]:
         """Records of the current incarnation and its known ancestors (to copy next to a
         commit, so that the tier alone tells live steps from superseded ones)."""
-        by_id = {r.id: r for r in self.records}
-        out: list[Incarnation] = []
-        inc = self.incarnation
-        while inc and inc in by_id and by_id[inc] not in out:
-            out.append(by_id[inc])
-            inc = by_id[inc].parent or ""
-        return out
+        return chain({r.id: r for r in self.records}, self.incarnation)
+
+
+def chain(records: Mapping[str, Incarnation], incarnation: str | None) -> list[Incarnation]:
+    """The records (id -> record) of ``incarnation`` and its known ancestors, newest first."""
+    out: list[Incarnation] = []
+    inc = incarnation
+    while inc and inc in records and records[inc] not in out:
+        out.append(records[inc])
+        inc = records[inc].parent
+    return out
 
 
 class RamWorld:
