@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -79,6 +80,24 @@ def test_sub_chunk_crcs_join_to_the_chunks(nbytes: int, threads: int) -> None:
     assert crc.join_pieces(pieces, nbytes, 1024) == whole
     with pytest.raises(ValueError, match="does not divide"):
         crc.chunk_and_sub_crcs(data, nbytes, 4096, 1000)
+
+
+def test_a_length_past_the_buffer_is_refused_and_leaves_the_buffer_free() -> None:
+    """A caller that closes its slot mapping while handling the refusal can: the error names
+    both sizes and no view of the mapping is left in the error's frames (``mmap.close`` raises
+    BufferError while one is exported)."""
+    calls = [
+        lambda mm: crc.chunk_crcs(mm, 8193, chunk_size=4096, threads=2),
+        lambda mm: crc.chunk_and_sub_crcs(mm, 8193, 4096, 1024, threads=2),
+    ]
+    for call in calls:
+        mm = mmap.mmap(-1, 8192)
+        try:
+            call(mm)
+        except ValueError as exc:
+            assert str(exc) == "asked to checksum 8193 bytes of a 8192-byte buffer"
+            mm.close()  # the traceback (and its frames) is alive here
+        assert mm.closed
 
 
 def test_sub_chunk_size_only_splits_chunks() -> None:

@@ -22,9 +22,10 @@ import functools
 import glob
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import google_crc32c
 
@@ -35,6 +36,8 @@ _POLY = 0x82F63B78
 """CRC32C polynomial, reflected (bit-reversed 0x1EDC6F41)."""
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+_T = TypeVar("_T")
 
 
 def _load_libcrc32c() -> ctypes.CDLL | None:
@@ -218,26 +221,45 @@ def chunk_crcs(
 
     ``threads`` > 1 checksums chunks in parallel; the whole-object CRC is combined, not recomputed.
     """
+
+    def one(view: memoryview, start: int, stop: int) -> int:
+        with view[start:stop] as piece:
+            return _crc_view(piece)
+
+    crcs, n = _map_chunks(data, nbytes, chunk_size, threads, one)
+    whole = combine_chunks(crcs, n, chunk_size) if crcs else 0
+    return crcs, whole
+
+
+def _map_chunks(
+    data: Buffer,
+    nbytes: int | None,
+    chunk_size: int,
+    threads: int,
+    one: Callable[[memoryview, int, int], _T],
+) -> tuple[list[_T], int]:
+    """``one(view, start, stop)`` for each ``chunk_size`` chunk ``[start, stop)`` of the first
+    ``nbytes`` (None: all) of ``data`` seen as bytes, in order, on ``threads`` threads when
+    there is more than one chunk; returns (the results, ``nbytes``). The view is released
+    before it returns. Raises ValueError when ``nbytes`` exceeds the buffer."""
     view = memoryview(data).cast("B")
-    n = len(view) if nbytes is None else nbytes
-    if n > len(view):
-        raise ValueError(f"asked to checksum {n} bytes of a {len(view)}-byte buffer")
+    size = len(view)
+    n = size if nbytes is None else nbytes
+    if n > size:
+        view.release()
+        raise ValueError(f"asked to checksum {n} bytes of a {size}-byte buffer")
     starts = range(0, n, chunk_size)
 
-    def one(start: int) -> int:
-        with view[start : min(start + chunk_size, n)] as piece:
-            return _crc_view(piece)
+    def chunk(start: int) -> _T:
+        return one(view, start, min(start + chunk_size, n))
 
     try:
         if threads > 1 and len(starts) > 1:
             with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="strata-crc") as pool:
-                crcs = list(pool.map(one, starts))
-        else:
-            crcs = [one(s) for s in starts]
+                return list(pool.map(chunk, starts)), n
+        return [chunk(s) for s in starts], n
     finally:
         view.release()
-    whole = combine_chunks(crcs, n, chunk_size) if crcs else 0
-    return crcs, whole
 
 
 def chunk_and_sub_crcs(
@@ -248,27 +270,15 @@ def chunk_and_sub_crcs(
     (:func:`join_pieces`). Returns (chunk CRCs, whole CRC, piece CRCs)."""
     if chunk_size % sub_size:
         raise ValueError(f"sub-chunk size {sub_size} does not divide the chunk size {chunk_size}")
-    view = memoryview(data).cast("B")
-    if nbytes > len(view):
-        raise ValueError(f"asked to checksum {nbytes} bytes of a {len(view)}-byte buffer")
-    starts = range(0, nbytes, chunk_size)
 
-    def one(start: int) -> tuple[int, list[int]]:
-        stop = min(start + chunk_size, nbytes)
+    def one(view: memoryview, start: int, stop: int) -> tuple[int, list[int]]:
         pieces = []
         for a in range(start, stop, sub_size):
             with view[a : min(a + sub_size, stop)] as piece:
                 pieces.append(_crc_view(piece))
         return join_pieces(pieces, stop - start, sub_size), pieces
 
-    try:
-        if threads > 1 and len(starts) > 1:
-            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="strata-crc") as pool:
-                results = list(pool.map(one, starts))
-        else:
-            results = [one(s) for s in starts]
-    finally:
-        view.release()
+    results, _n = _map_chunks(data, nbytes, chunk_size, threads, one)
     crcs = [r[0] for r in results]
     subs = [c for r in results for c in r[1]]
     whole = combine_chunks(crcs, nbytes, chunk_size) if crcs else 0
