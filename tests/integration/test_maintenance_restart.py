@@ -19,6 +19,7 @@ leaves. The real tiers, incarnation records and engines are those of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from strata import faults
 from strata.config import StrataConfig, TierName
 from strata.format import layout
 from strata.restore import collect_inventory, plan_restore
+from strata.sidecar.promotion import PromotionEvent
 from strata.sidecar.promotion.round import PromotionEngine
 from strata.tiers.base import Tier
 from strata.tiers.gcs.tier import GcsTier
@@ -78,7 +80,12 @@ class DyingPosixTier(PosixTier):
 
 
 def engine(
-    root: Path, name: str, ranks: list[int], tiers: dict[TierName, Tier], cfg: dict[str, Any]
+    root: Path,
+    name: str,
+    ranks: list[int],
+    tiers: dict[TierName, Tier],
+    cfg: dict[str, Any],
+    on_event: Callable[[PromotionEvent], None] | None = None,
 ) -> PromotionEngine:
     """A fresh engine of the sidecar that replaces a dead one on node ``name`` (its RAM kept;
     the configuration as :func:`tests.integration.test_eligible_steps.node` writes it)."""
@@ -92,7 +99,7 @@ def engine(
     }
     return PromotionEngine(
         StrataConfig.parse(raw), RamTier(d, keep=1), tiers, local_ranks=ranks,
-        maintenance_seconds=0,
+        maintenance_seconds=0, on_event=on_event,
     )  # fmt: skip
 
 
@@ -222,8 +229,13 @@ def test_a_back_fill_killed_mid_upload_is_completed_by_the_next_sidecar(
     chosen = plan_restore(invs, WORLD)
     assert chosen is None or chosen.step != 30, chosen  # a half-copied step is no source
 
-    c2 = engine(shm_dir, "node-c", [0, 1], tiers("node-c"), cfg)
+    events: list[PromotionEvent] = []
+    c2 = engine(shm_dir, "node-c", [0, 1], tiers("node-c"), cfg, on_event=events.append)
     rounds([c2], n=3)
+    # said as a back-fill (an older step, not this pod's newest promotion), then committed
+    on_30 = [(e.kind, e.tier) for e in events if e.step == 30 and e.tier == "gcs"]
+    assert ("backfilled", "gcs") in on_30 and ("committed", "gcs") in on_30, on_30
+    assert ("promoted", "gcs") not in on_30, on_30
     on_gcs = committed_steps(gcs, JOB)
     assert sorted(on_gcs) == [30], sorted(on_gcs)
     assert on_gcs[30].incarnation == X.id and on_gcs[30].world_size == WORLD

@@ -50,14 +50,18 @@ class Activity:
         self._errors: deque[ReportedError] = deque(maxlen=MAX_EVENTS)
         self._tier_state_cache: dict[TierName, TierState] = {}
         self._too_small: dict[TierName, str] = {}
+        self._newest_promoted: dict[TierName, int] = {}
 
     def on_promotion_event(self, event: PromotionEvent) -> None:
         m = self.metrics
-        if event.kind == "promoted" and event.step is not None:
+        if event.kind in ("promoted", "backfilled") and event.step is not None:
             m.promotion_duration.labels(tier=event.tier).observe(event.seconds)
             m.promotion_bytes.labels(tier=event.tier).inc(event.nbytes)
-            m.last_committed_step.labels(tier=event.tier).set(event.step)
             with self._lock:
+                # the newest step: a back-filled older step never moves the gauge backwards
+                newest = max(event.step, self._newest_promoted.get(event.tier, event.step))
+                self._newest_promoted[event.tier] = newest
+                m.last_committed_step.labels(tier=event.tier).set(newest)
                 self._promotions.append(
                     Promotion(
                         tier=event.tier,

@@ -71,7 +71,7 @@ class Backfill:
 
     ``copier``: copies a shard; ``committer``: settles the back-filled steps' commit records;
     ``retention``: each tier's retention policy (what it would keep); ``clock``: monotonic
-    seconds; ``emit``: "promoted" and "committed" events. Called under the destination tier's
+    seconds; ``emit``: "backfilled" and "committed" events. Called under the destination tier's
     lock.
     """
 
@@ -162,7 +162,7 @@ class Backfill:
                 nbytes,
                 extra={"event": "backfilled", "tier": name, "step": step, "ranks": copied},
             )
-            self._emit(PromotionEvent("promoted", name, step, tuple(copied), nbytes, seconds))
+            self._emit(PromotionEvent("backfilled", name, step, tuple(copied), nbytes, seconds))
         records = chain(self.views.progress[src_name].lineage.records, commit.incarnation)
         done = self.committer.settle(
             name, step, world, ranks=ranks, incarnation=commit.incarnation, records=records

@@ -9,6 +9,7 @@ from strata.config import TierName
 
 EventKind = Literal[
     "promoted",
+    "backfilled",
     "failed",
     "gave_up",
     "checksum_mismatch",
@@ -19,7 +20,9 @@ EventKind = Literal[
     "superseded",
     "too_small",
 ]
-"""``committed``: the step's global commit record was written in the tier (every rank's shard
+"""``backfilled``: shards of an earlier incarnation's live step copied into a slower tier
+(:mod:`strata.sidecar.promotion.backfill`): bytes and time as ``promoted``, but an older step
+than the tier may hold, and possibly ranks this pod does not serve; ``committed``: the step's global commit record was written in the tier (every rank's shard
 of one incarnation is there); ``superseded``: a shard of a superseded incarnation was removed
 so that the current incarnation's shard of that step could be committed."""
 
