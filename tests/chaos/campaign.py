@@ -517,11 +517,12 @@ def main() -> None:
                 progress("corruption"),
             )
             print(json.dumps({"corruption": corrupt}), flush=True)
+            # the crash part gets the rest of the budget (the corruptions often end early)
             crash = crash_campaign(
                 root / "crash",
                 args.crash_points,
                 args.seed,
-                None if half is None else time.monotonic() + half,
+                None if args.max_seconds is None else t0 + args.max_seconds,
                 gcs_endpoint=server.endpoint,
                 progress=progress("crash"),
                 ready_seconds=args.ready_seconds,
