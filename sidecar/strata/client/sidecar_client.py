@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -202,33 +202,13 @@ class SidecarClient:
         body = self._ok(status, data, "inventory")
         return parse_reply(InventoryReply, body, self.socket_path).inventory()
 
-    def stage(
-        self,
-        job_id: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        sources: Sequence[str] | None = None,
-        *,
-        verify_in_place: bool = True,
-    ) -> StageResult:
-        """``POST /v1/stage``. ``verify_in_place=False``: the caller verifies a RAM hit while
-        loading it (the result's ``deferred_verify`` says whether the sidecar left it to it).
-        Raises :class:`StageError` (no tier serves), ``TierFull``/``SlotsBusy``/``TierError``
-        and :class:`ProtocolError` (see the module docstring)."""
-        status, data = self.call(
-            "POST",
-            "/v1/stage",
-            StageRequest(
-                job_id=job_id,
-                step=step,
-                rank=rank,
-                world_size=world_size,
-                sources=list(sources) if sources is not None else None,
-                verify_in_place=verify_in_place,
-            ),
-            timeout=self.stage_timeout,
-        )
+    def stage(self, request: StageRequest) -> StageResult:
+        """``POST /v1/stage`` (:meth:`strata.client.stager.Stager.stage`); the sidecar honours
+        ``request.verify_in_place`` (the result's ``deferred_verify`` says whether it left the RAM
+        hit to the caller). Raises :class:`StageError` (no tier serves),
+        ``TierFull``/``SlotsBusy``/``TierError`` and :class:`ProtocolError` (see the module
+        docstring)."""
+        status, data = self.call("POST", "/v1/stage", request, timeout=self.stage_timeout)
         if status == 404 and data.get("kind") == "stage_error":
             err = parse_reply(ErrorReply, data, self.socket_path)
             raise StageError(err.error, list(err.skipped), list(err.quarantined))
