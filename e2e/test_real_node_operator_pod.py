@@ -46,15 +46,19 @@ from e2e.node.stack import (
     WEBHOOK_CONFIG,
     OperatorPodStack,
 )
-from e2e.node.story import checkpoint_policy, policy_job, wait_restore_folded
+from e2e.node.story import (
+    checkpoint_policy,
+    pod_events,
+    policy_job,
+    saved_events,
+    wait_for,
+    wait_restore_folded,
+)
 from e2e.test_real_node import (
     container_status,
-    pod_events,
-    saved_events,
     setup_pvc,
     sigkill_trainer_and_restore,
     trainer_pod,
-    wait_for,
     wait_running,
 )
 from strata_operator.constants import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_NAME

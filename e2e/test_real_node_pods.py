@@ -38,18 +38,18 @@ from e2e.cluster import LocalCluster
 from e2e.node.fixtures import real_node, strata_images  # noqa: F401 - fixtures
 from e2e.node.harness import RealNode
 from e2e.node.operator import NodeOperator, node_operator  # noqa: F401 - fixture
-from e2e.node.story import PVC_EVERY, RAM_EVERY, delete_pod_keeping_saves, wait_restored_event
-from e2e.test_real_node import (
+from e2e.node.story import (
+    PVC_EVERY,
+    RAM_EVERY,
     SIDECAR_IMAGE,
-    container_status,
+    delete_pod_keeping_saves,
     kubectl_json,
     pod_events,
     saved_events,
-    setup_pvc,
-    trainer_pod,
     wait_for,
-    wait_running,
+    wait_restored_event,
 )
+from e2e.test_real_node import container_status, setup_pvc, trainer_pod, wait_running
 from strata_operator.constants import (
     EVENT_TIER_FAILED,
     POLICY_LABEL,
