@@ -246,7 +246,7 @@ class Checkpointer:
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due for a RAM checkpoint (``ram.every``: steps and/or seconds)."""
-        return self.saver.should_save(step)
+        return self.saver.outcomes.should_save(step)
 
     def save(
         self,
