@@ -48,7 +48,6 @@ import os
 import time
 from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -423,12 +422,7 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
