@@ -34,15 +34,19 @@ from pathlib import Path
 from typing import Any
 
 from e2e.node.stack import OperatorPodStack
-from e2e.test_real_node import (
+from e2e.node.story import (
     PVC_EVERY,
-    RAM_EVERY,
-    pod_events,
+    checkpoint_policy,
+    delete_pod_keeping_saves,
     saved_events,
+    wait_for,
+    wait_restore_folded,
+    wait_restored_event,
+)
+from e2e.test_real_node import (
     setup_pvc,
     sigkill_trainer_and_restore,
     trainer_pod,
-    wait_for,
     wait_running,
 )
 from strata_operator.constants import POLICY_LABEL
@@ -65,46 +69,6 @@ class Recovery:
     status: dict[str, Any]
 
 
-def policy() -> dict[str, Any]:
-    return {
-        "apiVersion": "strata.dev/v1alpha1",
-        "kind": "CheckpointPolicy",
-        "metadata": {"name": POLICY},
-        "spec": {
-            "tiers": {
-                "ram": {
-                    "medium": "Memory",
-                    "sizeLimit": "64Mi",
-                    "keep": 2,
-                    "every": {"steps": RAM_EVERY},
-                },
-                "pvc": {"claimName": "ckpt", "every": {"steps": PVC_EVERY}, "keep": 3},
-            },
-            "restore": {"allowFreshStart": True},
-            "sidecar": {"terminationGracePeriodSeconds": 30},
-        },
-    }
-
-
-def _job(stack: OperatorPodStack, ns: str, job_id: str) -> dict[str, Any]:
-    obj = stack.kubectl_json("-n", ns, "get", "checkpointpolicy", POLICY)
-    for job in (obj.get("status") or {}).get("jobs") or []:
-        if job.get("jobId") == job_id:
-            return dict(job)
-    return {}
-
-
-def _folded(stack: OperatorPodStack, ns: str, job_id: str, step: int) -> dict[str, Any]:
-    """Wait until the operator folded the restore of ``step`` into the policy status."""
-
-    def done() -> dict[str, Any] | None:
-        job = _job(stack, ns, job_id)
-        last = job.get("lastRestore") or {}
-        return job if last.get("outcome") == "restored" and last.get("step") == step else None
-
-    return wait_for(f"the restore of step {step} in the policy status", done, timeout=120)  # type: ignore[no-any-return]
-
-
 def _pod(stack: OperatorPodStack, name: str, run_id: str, steps: int) -> dict[str, Any]:
     pod = trainer_pod(name, run_id, steps)
     pod["metadata"]["labels"][POLICY_LABEL] = POLICY
@@ -118,7 +82,7 @@ def run_story(stack: OperatorPodStack, ns: str, pvc_dir: Path, log: Any = print)
     cluster = stack.cluster
     stack.create_namespace(ns)
     setup_pvc(cluster, ns, pvc_dir)
-    cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(policy()))
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(checkpoint_policy(POLICY)))
     run_id = f"{ns}.charlm-{uuid.uuid4().hex[:4]}"
     out: list[Recovery] = []
 
@@ -140,7 +104,7 @@ def run_story(stack: OperatorPodStack, ns: str, pvc_dir: Path, log: Any = print)
             float(r["seconds"]),
             killed.restore_s,
             r["weights_sha256"] == killed.saved[r["step"]],
-            _folded(stack, ns, run_id, r["step"]),
+            wait_restore_folded(stack, ns, POLICY, run_id, r["step"]),
         )
     )
 
@@ -154,34 +118,15 @@ def run_story(stack: OperatorPodStack, ns: str, pvc_dir: Path, log: Any = print)
         timeout=240,
     )
     log("[demo-cluster] deleting the pod (its RAM tier goes with it)")
-    cluster.kubectl("-n", ns, "delete", "pod", "train-0", "--wait=false")
-    deleted = time.monotonic()
-    saves: list[dict[str, Any]] = []
-
-    def gone() -> bool:
-        nonlocal saves
-        current = saved_events(cluster, ns, "train-0")
-        if len(current) >= len(saves):
-            saves = current
-        return not cluster.kubectl(
-            "-n", ns, "get", "pod", "train-0", "--ignore-not-found", check=False
-        ).strip()
-
-    wait_for("the pod to be deleted", gone, timeout=120)
-    by_step = {e["step"]: e["weights_sha256"] for e in saves}
+    deleted = delete_pod_keeping_saves(cluster, ns, "train-0")
+    by_step = deleted.saved
     newest = max(by_step)
     log("[demo-cluster] creating the replacement pod")
     cluster.kubectl(
         "-n", ns, "create", "-f", "-", input=json.dumps(_pod(stack, "train-1", run_id, 2000))
     )
     wait_running(cluster, ns, "train-1")
-    restored = wait_for(
-        "the replacement's restored event",
-        lambda: next(
-            (e for e in pod_events(cluster, ns, "train-1") if e["event"] == "restored"), None
-        ),
-        timeout=180,
-    )
+    restored = wait_restored_event(cluster, ns, "train-1", "the replacement's restored event")
     assert restored["tier"] == "pvc", restored
     assert restored["step"] == newest, (restored, sorted(by_step))
     out.append(
@@ -190,9 +135,9 @@ def run_story(stack: OperatorPodStack, ns: str, pvc_dir: Path, log: Any = print)
             restored["tier"],
             restored["step"],
             float(restored["seconds"]),
-            time.monotonic() - deleted,
+            time.monotonic() - deleted.asked_at,
             restored["weights_sha256"] == by_step[newest],
-            _folded(stack, ns, run_id, restored["step"]),
+            wait_restore_folded(stack, ns, POLICY, run_id, restored["step"]),
         )
     )
     return out

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,42 +28,32 @@ import pytest
 
 from e2e.cluster import REPO_ROOT, LocalCluster
 from e2e.node.fixtures import real_node, strata_images  # noqa: F401 - fixtures
-from e2e.node.harness import NODE_SELECTOR, TOLERATION, RealNode
+from e2e.node.harness import RealNode
 from e2e.node.images import (
     IMAGES,
     BuiltImage,
     parse_dockerfile,
     substitute,
 )
+from e2e.node.story import (
+    PVC_EVERY,
+    RAM_EVERY,
+    SIDECAR_IMAGE,
+    STEP_SECONDS,
+    checkpoint_policy,
+    delete_pod_keeping_saves,
+    kubectl_json,
+    pod_events,
+    saved_events,
+    trainer_pod_spec,
+    wait_for,
+    wait_restored_event,
+)
 from e2e.operator_fixtures import OperatorProcess
-from strata_operator.constants import POLICY_LABEL, RUN_ID_ANNOTATION
 
 # Setting up the module's node (and, cold, building the images: `make images` does it before
 # `make test`) takes minutes on a loaded machine.
 pytestmark = [pytest.mark.e2e, pytest.mark.real_node, pytest.mark.timeout(1500)]
-
-SIDECAR_IMAGE = "strata.dev/sidecar:e2e"
-TRAINER_IMAGE = "strata.dev/trainer:e2e"
-STEP_SECONDS = 0.5
-RAM_EVERY = 2
-PVC_EVERY = 4
-
-
-def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 180.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def torch_site_packages() -> Path:
-    import torch
-
-    return Path(torch.__file__).resolve().parent.parent
-
 
 # ----------------------------------------------------------------------------- images
 
@@ -127,10 +116,6 @@ def test_image_config_matches_its_dockerfile(
 # ----------------------------------------------------------------------------- pods
 
 
-def kubectl_json(cluster: LocalCluster, *args: str) -> Any:
-    return json.loads(cluster.kubectl(*args, "-o", "json"))
-
-
 def setup_pvc(cluster: LocalCluster, ns: str, path: Path) -> None:
     """A ReadWriteMany hostPath PV + a PVC ``ckpt`` bound to it."""
     path.mkdir(parents=True, exist_ok=True)
@@ -174,85 +159,14 @@ def setup_pvc(cluster: LocalCluster, ns: str, path: Path) -> None:
 
 
 def apply_policy(cluster: LocalCluster, ns: str) -> None:
-    policy = {
-        "apiVersion": "strata.dev/v1alpha1",
-        "kind": "CheckpointPolicy",
-        "metadata": {"name": "fast", "namespace": ns},
-        "spec": {
-            "tiers": {
-                "ram": {
-                    "medium": "Memory",
-                    "sizeLimit": "64Mi",
-                    "keep": 2,
-                    "every": {"steps": RAM_EVERY},
-                },
-                "pvc": {"claimName": "ckpt", "every": {"steps": PVC_EVERY}, "keep": 3},
-            },
-            "restore": {"allowFreshStart": True},
-            "sidecar": {"image": SIDECAR_IMAGE, "terminationGracePeriodSeconds": 30},
-        },
-    }
+    policy = checkpoint_policy("fast", namespace=ns, sidecar_image=SIDECAR_IMAGE)
     cluster.kubectl("apply", "-f", "-", input=json.dumps(policy))
 
 
 def trainer_pod(name: str, run_id: str, steps: int) -> dict[str, Any]:
-    site = str(torch_site_packages())
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "labels": {POLICY_LABEL: "fast"},
-            "annotations": {RUN_ID_ANNOTATION: run_id},
-        },
-        "spec": {
-            "restartPolicy": "OnFailure",
-            "nodeSelector": NODE_SELECTOR,
-            "tolerations": [TOLERATION],
-            "securityContext": {"runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532},
-            "containers": [
-                {
-                    "name": "trainer",
-                    "image": TRAINER_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "args": ["--steps", str(steps), "--step-seconds", str(STEP_SECONDS)],
-                    "env": [{"name": "PYTHONPATH", "value": "/host-torch"}],
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "readOnlyRootFilesystem": True,
-                        "allowPrivilegeEscalation": False,
-                        "capabilities": {"drop": ["ALL"]},
-                    },
-                    "volumeMounts": [
-                        {"name": "torch", "mountPath": "/host-torch", "readOnly": True},
-                        # torch needs a writable temporary directory at import time.
-                        {"name": "tmp", "mountPath": "/tmp"},
-                    ],
-                }
-            ],
-            "volumes": [
-                {"name": "torch", "hostPath": {"path": site, "type": "Directory"}},
-                {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
-            ],
-        },
-    }
-
-
-def pod_events(
-    cluster: LocalCluster, ns: str, pod: str, previous: bool = False
-) -> list[dict[str, Any]]:
-    args = ["-n", ns, "logs", pod, "-c", "trainer"]
-    if previous:
-        args.append("--previous")
-    text = cluster.kubectl(*args, check=False)
-    out = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+    return trainer_pod_spec(
+        name, run_id, "fast", ["--steps", str(steps), "--step-seconds", str(STEP_SECONDS)]
+    )
 
 
 def container_status(pod: dict[str, Any], name: str) -> dict[str, Any]:
@@ -281,12 +195,6 @@ def wait_running(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
         raise AssertionError(
             f"pod {name} not Running: {json.dumps(pod.get('status'), indent=1)}"
         ) from None
-
-
-def saved_events(
-    cluster: LocalCluster, ns: str, pod: str, previous: bool = False
-) -> list[dict[str, Any]]:
-    return [e for e in pod_events(cluster, ns, pod, previous) if e["event"] == "saved" and e["ok"]]
 
 
 @dataclass
@@ -325,11 +233,7 @@ def sigkill_trainer_and_restore(
     assert term["exitCode"] == 137, term
     saves = saved_events(cluster, ns, name, previous=True)
     assert len(saves) >= len(saves_before)
-    restored = wait_for(
-        "the restored event",
-        lambda: next((e for e in pod_events(cluster, ns, name) if e["event"] == "restored"), None),
-        timeout=180,
-    )
+    restored = wait_restored_event(cluster, ns, name)
     restore_s = time.monotonic() - killed
     by_step = {e["step"]: e["weights_sha256"] for e in saves}
     newest = max(by_step)
@@ -400,41 +304,20 @@ def test_pod_delete_replacement_restores_from_pvc(
         lambda: any(e["step"] >= 2 * PVC_EVERY + 1 for e in saved_events(cluster, ns, "first")),
         timeout=240,
     )
-    begin = time.monotonic()
-    cluster.kubectl("-n", ns, "delete", "pod", "first", "--wait=false")
-    # The trainer exits on SIGTERM; read its log before the pod is gone.
-    saves: list[dict[str, Any]] = []
-
-    def gone() -> bool:
-        nonlocal saves
-        current = saved_events(cluster, ns, "first")
-        if len(current) >= len(saves):
-            saves = current
-        return not cluster.kubectl(
-            "-n", ns, "get", "pod", "first", "--ignore-not-found", check=False
-        ).strip()
-
-    wait_for("the pod to be deleted", gone, timeout=120)
-    delete_s = time.monotonic() - begin
-    by_step = {e["step"]: e["weights_sha256"] for e in saves}
+    deleted = delete_pod_keeping_saves(cluster, ns, "first")
+    by_step = deleted.saved
     newest = max(by_step)
     cluster.kubectl(
         "-n", ns, "create", "-f", "-", input=json.dumps(trainer_pod("second", run_id, 400))
     )
     wait_running(cluster, ns, "second")
-    restored = wait_for(
-        "the restored event",
-        lambda: next(
-            (e for e in pod_events(cluster, ns, "second") if e["event"] == "restored"), None
-        ),
-        timeout=180,
-    )
+    restored = wait_restored_event(cluster, ns, "second")
     assert restored["tier"] == "pvc", restored
     assert restored["step"] == newest, (restored, sorted(by_step))
     assert restored["weights_sha256"] == by_step[newest]
     _report(
         request,
-        f"pod deleted in {delete_s:.1f} s; replacement restored step {restored['step']} from "
+        f"pod deleted in {deleted.gone_s:.1f} s; replacement restored step {restored['step']} from "
         f"{restored['tier']} in {restored['seconds']} s",
     )
 

@@ -46,16 +46,19 @@ from e2e.node.stack import (
     WEBHOOK_CONFIG,
     OperatorPodStack,
 )
-from e2e.test_real_node import (
-    PVC_EVERY,
-    RAM_EVERY,
-    container_status,
+from e2e.node.story import (
+    checkpoint_policy,
     pod_events,
+    policy_job,
     saved_events,
+    wait_for,
+    wait_restore_folded,
+)
+from e2e.test_real_node import (
+    container_status,
     setup_pvc,
     sigkill_trainer_and_restore,
     trainer_pod,
-    wait_for,
     wait_running,
 )
 from strata_operator.constants import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_NAME
@@ -94,34 +97,8 @@ def stack(
         assert not left, f"the real node left behind: {left}"
 
 
-def policy(name: str) -> dict[str, Any]:
-    """RAM every `RAM_EVERY` steps, PVC every `PVC_EVERY`; no sidecar image (the chart's)."""
-    return {
-        "apiVersion": "strata.dev/v1alpha1",
-        "kind": "CheckpointPolicy",
-        "metadata": {"name": name},
-        "spec": {
-            "tiers": {
-                "ram": {
-                    "medium": "Memory",
-                    "sizeLimit": "64Mi",
-                    "keep": 2,
-                    "every": {"steps": RAM_EVERY},
-                },
-                "pvc": {"claimName": "ckpt", "every": {"steps": PVC_EVERY}, "keep": 3},
-            },
-            "restore": {"allowFreshStart": True},
-            "sidecar": {"terminationGracePeriodSeconds": 30},
-        },
-    }
-
-
 def job_status(st: OperatorPodStack, ns: str, job_id: str) -> dict[str, Any]:
-    obj = st.kubectl_json("-n", ns, "get", "checkpointpolicy", POLICY)
-    for job in (obj.get("status") or {}).get("jobs") or []:
-        if job.get("jobId") == job_id:
-            return dict(job)
-    return {}
+    return policy_job(st, ns, POLICY, job_id)
 
 
 def test_chart_installed_operator_pod_injects_and_folds_a_ram_restore(
@@ -143,7 +120,7 @@ def test_chart_installed_operator_pod_injects_and_folds_a_ram_restore(
     ns = f"op-pod-{uuid.uuid4().hex[:6]}"
     st.create_namespace(ns)
     setup_pvc(cluster, ns, tmp_path / "pvc")
-    cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(policy(POLICY)))
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(checkpoint_policy(POLICY)))
 
     def policy_ready() -> bool:
         obj = st.kubectl_json("-n", ns, "get", "checkpointpolicy", POLICY)
@@ -182,13 +159,8 @@ def test_chart_installed_operator_pod_injects_and_folds_a_ram_restore(
     step = killed.restored["step"]
 
     # --- the sidecar's reports, folded into the policy status by the operator pod
-    def restore_folded() -> dict[str, Any] | None:
-        job = job_status(st, ns, run_id)
-        last = job.get("lastRestore") or {}
-        return job if last.get("outcome") == "restored" and last.get("step") == step else None
-
     try:
-        job = wait_for("the restore in the policy status", restore_folded, timeout=120)
+        job = wait_restore_folded(st, ns, POLICY, run_id, step)
     except AssertionError:
         raise AssertionError(
             f"no restore of {run_id} at step {step} in the status: {job_status(st, ns, run_id)}"

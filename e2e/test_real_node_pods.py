@@ -38,17 +38,18 @@ from e2e.cluster import LocalCluster
 from e2e.node.fixtures import real_node, strata_images  # noqa: F401 - fixtures
 from e2e.node.harness import RealNode
 from e2e.node.operator import NodeOperator, node_operator  # noqa: F401 - fixture
-from e2e.test_real_node import (
+from e2e.node.story import (
+    PVC_EVERY,
+    RAM_EVERY,
     SIDECAR_IMAGE,
-    container_status,
+    delete_pod_keeping_saves,
     kubectl_json,
     pod_events,
     saved_events,
-    setup_pvc,
-    trainer_pod,
     wait_for,
-    wait_running,
+    wait_restored_event,
 )
+from e2e.test_real_node import container_status, setup_pvc, trainer_pod, wait_running
 from strata_operator.constants import (
     EVENT_TIER_FAILED,
     POLICY_LABEL,
@@ -57,9 +58,6 @@ from strata_operator.constants import (
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_node, pytest.mark.timeout(1500)]
-
-RAM_EVERY = 2
-PVC_EVERY = 4
 
 
 def apply_policy(
@@ -292,30 +290,11 @@ def test_hostpath_ram_survives_pod_deletion(
     )
     # The node's tmpfs holds the job's RAM tier (written by the pod's sidecar and trainer).
     assert any(node_tmpfs.rglob("*")), "nothing written to the node's RAM disk"
-    cluster.kubectl("-n", ns, "delete", "pod", "first", "--wait=false")
-    saves: list[dict[str, Any]] = []
-
-    def gone() -> bool:
-        nonlocal saves
-        current = saved_events(cluster, ns, "first")
-        if len(current) >= len(saves):
-            saves = current
-        return not cluster.kubectl(
-            "-n", ns, "get", "pod", "first", "--ignore-not-found", check=False
-        ).strip()
-
-    wait_for("the pod to be deleted", gone, timeout=120)
-    by_step = {e["step"]: e["weights_sha256"] for e in saves}
+    by_step = delete_pod_keeping_saves(cluster, ns, "first").saved
     newest = max(by_step)
     create(cluster, ns, make_pod("second", run_id, "hostram"))
     wait_running(cluster, ns, "second")
-    restored = wait_for(
-        "the restored event",
-        lambda: next(
-            (e for e in pod_events(cluster, ns, "second") if e["event"] == "restored"), None
-        ),
-        timeout=180,
-    )
+    restored = wait_restored_event(cluster, ns, "second")
     assert restored["tier"] == "ram", restored
     assert restored["step"] == newest, (restored, sorted(by_step))
     assert restored["weights_sha256"] == by_step[newest]

@@ -22,18 +22,10 @@ import pytest
 
 from e2e.cluster import REPO_ROOT, LocalCluster
 from e2e.node.fixtures import real_node, strata_images  # noqa: F401 - fixtures
-from e2e.node.harness import NODE_SELECTOR, TOLERATION, RealNode
+from e2e.node.harness import RealNode
+from e2e.node.story import SIDECAR_IMAGE, kubectl_json, trainer_pod_spec, wait_for
 from e2e.operator_fixtures import OperatorProcess
-from e2e.test_real_node import (
-    SIDECAR_IMAGE,
-    TRAINER_IMAGE,
-    kubectl_json,
-    setup_pvc,
-    torch_site_packages,
-    wait_for,
-    wait_running,
-)
-from strata_operator.constants import POLICY_LABEL, RUN_ID_ANNOTATION
+from e2e.test_real_node import setup_pvc, wait_running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_node, pytest.mark.timeout(1800)]
 
@@ -62,57 +54,16 @@ def apply_policy(cluster: LocalCluster, ns: str) -> None:
 
 
 def trainer_pod(name: str, run_id: str, mode: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "labels": {POLICY_LABEL: "preempt"},
-            "annotations": {RUN_ID_ANNOTATION: run_id},
-        },
-        "spec": {
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": GRACE,
-            "nodeSelector": NODE_SELECTOR,
-            "tolerations": [TOLERATION],
-            "securityContext": {"runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532},
-            "containers": [
-                {
-                    "name": "trainer",
-                    "image": TRAINER_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": ["python", "/host-fixtures/preempted.py"],
-                    "args": [mode, "/dev/stdout", str(MIB)],
-                    "env": [{"name": "PYTHONPATH", "value": "/host-torch"}],
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "readOnlyRootFilesystem": True,
-                        "allowPrivilegeEscalation": False,
-                        "capabilities": {"drop": ["ALL"]},
-                    },
-                    "volumeMounts": [
-                        {"name": "torch", "mountPath": "/host-torch", "readOnly": True},
-                        {"name": "fixtures", "mountPath": "/host-fixtures", "readOnly": True},
-                        {"name": "tmp", "mountPath": "/tmp"},
-                    ],
-                }
-            ],
-            "volumes": [
-                {
-                    "name": "torch",
-                    "hostPath": {"path": str(torch_site_packages()), "type": "Directory"},
-                },
-                {
-                    "name": "fixtures",
-                    "hostPath": {
-                        "path": str(REPO_ROOT / "tests" / "fixtures"),
-                        "type": "Directory",
-                    },
-                },
-                {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
-            ],
-        },
-    }
+    return trainer_pod_spec(
+        name,
+        run_id,
+        "preempt",
+        [mode, "/dev/stdout", str(MIB)],
+        command=["python", "/host-fixtures/preempted.py"],
+        restart_policy="Never",
+        grace_seconds=GRACE,
+        host_mounts={"fixtures": REPO_ROOT / "tests" / "fixtures"},
+    )
 
 
 def lines(cluster: LocalCluster, ns: str, pod: str) -> list[str]:

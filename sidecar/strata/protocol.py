@@ -30,7 +30,7 @@ sidecar import it, it imports neither.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -41,6 +41,23 @@ from strata.restore.staging import StageResult
 
 NonNegative = Annotated[int, Field(ge=0)]
 M = TypeVar("M", bound=BaseModel)
+
+
+class Endpoint(NamedTuple):
+    """One route of the local API (the table in the module docstring), used by both ends:
+    ``client.call(*STAGE, request)``, ``routes.add(*STAGE, handler)``."""
+
+    method: Literal["GET", "POST"]
+    path: str
+
+
+HEALTHZ = Endpoint("GET", "/healthz")
+SLOTS = Endpoint("POST", "/v1/slots")
+INVENTORY = Endpoint("POST", "/v1/inventory")
+STAGE = Endpoint("POST", "/v1/stage")
+REPORT = Endpoint("POST", "/v1/report")
+STATUS = Endpoint("GET", "/v1/status")
+TERMINATE = Endpoint("POST", "/v1/terminate")
 
 
 class Message(BaseModel):

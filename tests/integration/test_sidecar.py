@@ -26,6 +26,7 @@ from strata.client.sidecar_client import SidecarClient, connect
 from strata.config import StrataConfig
 from strata.errors import SlotsBusy, StageError, TierError, TierFull
 from strata.format.incarnation import Incarnation
+from strata.protocol import StageRequest
 from strata.reports import REPORT_PATH, SidecarReport
 from strata.sidecar.janitor import HEARTBEAT_NAME
 from strata.tiers.gcs import GcsTier
@@ -272,18 +273,18 @@ def test_c04_staging_falls_back_past_corrupt_copies_and_quarantines_them(
     )
 
     # 1. RAM hit.
-    res = sidecar_api.stage(JOB, 100, 0, 1)
+    res = sidecar_api.stage(StageRequest(job_id=JOB, step=100, rank=0, world_size=1))
     assert res.tier == "ram" and res.path.read_bytes()[: res.nbytes] == payload(100)
     # 2. RAM copy corrupt -> PVC serves, RAM copy quarantined.
     flip_byte(ram.data_path(JOB, 100, 0))
-    res = sidecar_api.stage(JOB, 100, 0, 1)
+    res = sidecar_api.stage(StageRequest(job_id=JOB, step=100, rank=0, world_size=1))
     assert res.tier == "pvc"
     assert any(s.startswith("ram:") and "quarantined" in s for s in res.skipped)
     assert res.path.read_bytes()[: res.nbytes] == payload(100)
     # 3. RAM (restaged copy) and PVC corrupt -> GCS serves.
     flip_byte(ram.data_path(JOB, 100, 0))
     flip_byte(pvc.data_path(JOB, 100, 0))
-    res = sidecar_api.stage(JOB, 100, 0, 1)
+    res = sidecar_api.stage(StageRequest(job_id=JOB, step=100, rank=0, world_size=1))
     assert res.tier == "gcs"
     assert [s.split(":")[0] for s in res.skipped if "quarantined" in s] == ["ram", "pvc"]
     assert res.path.read_bytes()[: res.nbytes] == payload(100)
@@ -368,13 +369,15 @@ def test_a_ram_hit_through_the_sidecar_is_verified_once_by_the_trainers_load(
     wait_until(lambda: 50 in PosixTier(pvc_root).complete_steps(JOB), what="step 50 on the PVC")
     api = connect(config.socket)
     assert api is not None
-    res = api.stage(JOB, 50, 0, 1, verify_in_place=False)
+    verified = StageRequest(job_id=JOB, step=50, rank=0, world_size=1)
+    deferred = verified.model_copy(update={"verify_in_place": False})
+    res = api.stage(deferred)
     assert res.tier == "ram" and res.deferred_verify
-    assert not api.stage(JOB, 50, 0, 1).deferred_verify  # by default the sidecar verifies
+    assert not api.stage(verified).deferred_verify  # by default the sidecar verifies
 
     # A flipped byte in RAM: asked to defer, the sidecar serves the copy unverified ...
     flip_byte(RamTier(shm_dir).data_path(JOB, 50, 0), 2 * 1024 * 1024)
-    res = api.stage(JOB, 50, 0, 1, verify_in_place=False)
+    res = api.stage(deferred)
     assert res.tier == "ram" and res.deferred_verify and not res.quarantined
     # ... and the trainer's load catches it, quarantines it and restores from the PVC.
     target = {"w": torch.zeros_like(state["w"]), "b": torch.zeros(33), "step": -1}
@@ -466,7 +469,7 @@ def test_c06_no_tier_holds_a_step_is_a_clear_error_never_a_silent_step_0(
     sidecar_api = connect(config.socket)
     assert sidecar_api is not None
     with pytest.raises(StageError, match="no tier could serve rank 0 of step 7"):
-        sidecar_api.stage(JOB, 7, 0, 1)
+        sidecar_api.stage(StageRequest(job_id=JOB, step=7, rank=0, world_size=1))
     with (
         Checkpointer(config, rank=0, world_size=1) as ckpt,
         pytest.raises(RestoreError, match="no restorable checkpoint"),

@@ -266,16 +266,19 @@ async def _admit_into(
         patch.fns.append(functools.partial(_apply_ops, ops))
 
 
-def _pod_policy(raw: dict[str, Any]) -> str | None:
-    labels = (raw.get("metadata") or {}).get("labels") or {}
-    value = labels.get(POLICY_LABEL)
-    return None if value is None else str(value)
+def _policy_in(field: str) -> Callable[[dict[str, Any]], str | None]:
+    """The policy an object names under ``POLICY_LABEL`` in its ``metadata.<field>`` (a pod's
+    ``labels``, a workload's ``annotations``); None when it names none."""
+
+    def policy_of(raw: dict[str, Any]) -> str | None:
+        value = ((raw.get("metadata") or {}).get(field) or {}).get(POLICY_LABEL)
+        return None if value is None else str(value)
+
+    return policy_of
 
 
-def _workload_policy(raw: dict[str, Any]) -> str | None:
-    annotations = (raw.get("metadata") or {}).get("annotations") or {}
-    value = annotations.get(POLICY_LABEL)
-    return None if value is None else str(value)
+_pod_policy = _policy_in("labels")
+_workload_policy = _policy_in("annotations")
 
 
 def _build_pod(
@@ -288,13 +291,8 @@ def _build_pod(
     return build_pod_patch(raw, policy, state.injection, namespace=namespace, workload=workload)
 
 
-def _build_workload(
-    raw: dict[str, Any],
-    policy: dict[str, Any],
-    state: WebhookState,
-    namespace: str,
-    workload: dict[str, Any] | None,
-) -> list[dict[str, Any]]:
+def _build_workload(raw: dict[str, Any], *_: object) -> list[dict[str, Any]]:
+    """A workload's patch depends on the workload alone (:func:`build_workload_patch`)."""
     return build_workload_patch(raw)
 
 

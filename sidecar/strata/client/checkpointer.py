@@ -48,7 +48,6 @@ import os
 import time
 from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -246,7 +245,7 @@ class Checkpointer:
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due for a RAM checkpoint (``ram.every``: steps and/or seconds)."""
-        return self.saver.should_save(step)
+        return self.saver.outcomes.should_save(step)
 
     def save(
         self,
@@ -423,12 +422,7 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 from strata.client.stager import SidecarStager, Stager
 from strata.errors import ProtocolError
-from strata.protocol import ClientEvent
+from strata.protocol import ClientEvent, StageRequest
 from strata.restore import RankInventory, StageResult
 
 log = logging.getLogger("strata.client")
@@ -87,26 +87,17 @@ class SidecarFallbackStager:
             return inv
         return dataclasses.replace(inv, notes=(note, *inv.notes))
 
-    def stage(
-        self,
-        job_id: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        sources: Sequence[str] | None = None,
-    ) -> StageResult:
+    def stage(self, request: StageRequest) -> StageResult:
         used_local = False
 
         def locally() -> StageResult:
             nonlocal used_local
             used_local = True
-            return self.local.stage(job_id, step, rank, world_size, sources)
+            return self.local.stage(request)
 
         res, note = self._call(
-            f"staging of step {step}",
-            lambda: self.sidecar.stage(
-                job_id, step, rank, world_size, sources, verify_in_place=False
-            ),
+            f"staging of step {request.step}",
+            lambda: self.sidecar.stage(request.model_copy(update={"verify_in_place": False})),
             locally,
         )
         self.defers_in_place_verify = res.deferred_verify or (

@@ -36,7 +36,7 @@ from strata.client.stager import Stager
 from strata.config import StrataConfig
 from strata.errors import RestoreError, ShardCorrupt, StageError
 from strata.format.incarnation import Incarnation, new_incarnation_id
-from strata.protocol import ClientEvent, RestoreEvent
+from strata.protocol import ClientEvent, RestoreEvent, StageRequest
 from strata.restore import RestorePlan, StageResult, plan_restore, skipped_partial_steps
 from strata.restore.reshard import (
     PerRankValues,
@@ -270,7 +270,13 @@ class Restorer:
         a failure fails this step only, in lockstep with the other ranks."""
         try:
             res = self.stager.stage(
-                self.job_id, plan.step, self.rank, self.world_size, plan.sources[self.rank]
+                StageRequest(
+                    job_id=self.job_id,
+                    step=plan.step,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    sources=plan.sources[self.rank],
+                )
             )
         except StageError as exc:
             notes.extend(exc.skipped)

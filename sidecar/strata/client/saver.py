@@ -84,13 +84,13 @@ class Saver:
     """Saves of one rank (``job_id``, ``rank`` of ``world_size``) into the RAM tier ``ram``.
 
     ``slot_provider``: where slots come from (in process, or the sidecar). ``every``: the RAM
-    tier's interval (:meth:`should_save`). ``writer_id``: stamped into every manifest.
-    ``background``: the single thread running checksum passes (and the client's reports, so
-    that a report never overtakes the checksum of its step). ``report``: receives one
-    :class:`strata.protocol.SaveEvent` per save. ``copy_threads``: threads copying into a slot.
-    ``raise_on_error``: raise every save failure instead of returning False.
-    ``register_limit_bytes``: the most slot bytes page-locked with CUDA at once (None: the
-    driver's limits only); see :mod:`strata.client.cuda_host`.
+    tier's interval (:meth:`strata.client.outcomes.SaveOutcomes.should_save`). ``writer_id``:
+    stamped into every manifest. ``background``: the single thread running checksum passes (and
+    the client's reports, so that a report never overtakes the checksum of its step).
+    ``report``: receives one :class:`strata.protocol.SaveEvent` per save. ``copy_threads``:
+    threads copying into a slot. ``raise_on_error``: raise every save failure instead of
+    returning False. ``register_limit_bytes``: the most slot bytes page-locked with CUDA at
+    once (None: the driver's limits only); see :mod:`strata.client.cuda_host`.
     """
 
     def __init__(
@@ -179,20 +179,13 @@ class Saver:
     def _maps(self) -> RegisteredSlotMaps:
         return self.slots.maps
 
-    def should_save(self, step: int) -> bool:
-        """Whether ``step`` is due for a RAM checkpoint (``ram.every``: steps and/or seconds)."""
-        return self.outcomes.should_save(step)
-
     # -- save -----------------------------------------------------------------------------------
 
     def save(
-        self,
-        step: int,
-        state: Any,
-        blocking: bool = True,
-        replicated: bool | Collection[str] | None = None,
+        self, step: int, state: Any, *, blocking: bool, replicated: bool | Collection[str] | None
     ) -> bool:
-        """Snapshot ``state`` as ``step`` into the RAM tier.
+        """Snapshot ``state`` as ``step`` into the RAM tier (the options and their defaults:
+        :meth:`strata.client.Checkpointer.save`).
 
         ``blocking``: True returns when the step is committed in RAM (True) or the save failed
         (False); the stall is the copy. A save that left unchanged storages in place returns

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,13 @@ from strata.errors import (
     TierFull,
 )
 from strata.protocol import (
+    HEALTHZ,
+    INVENTORY,
+    REPORT,
+    SLOTS,
+    STAGE,
+    STATUS,
+    TERMINATE,
     ErrorReply,
     HealthReply,
     InventoryReply,
@@ -170,7 +177,7 @@ class SidecarClient:
 
     def ready(self) -> bool:
         try:
-            status, data = self.call("GET", "/healthz", timeout=min(self.timeout, 2.0))
+            status, data = self.call(*HEALTHZ, timeout=min(self.timeout, 2.0))
         except SidecarUnavailable:
             return False
         if status not in (200, 503):
@@ -184,8 +191,7 @@ class SidecarClient:
     ) -> Path:
         """A slot file of at least ``nbytes`` bytes, allocated by the sidecar (SlotProvider)."""
         status, data = self.call(
-            "POST",
-            "/v1/slots",
+            *SLOTS,
             SlotRequest(job_id=job_id, rank=rank, nbytes=nbytes, exclude=[str(p) for p in exclude]),
         )
         reply = parse_reply(SlotReply, self._ok(status, data, "slot allocation"), self.socket_path)
@@ -195,40 +201,19 @@ class SidecarClient:
 
     def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory:
         status, data = self.call(
-            "POST",
-            "/v1/inventory",
+            *INVENTORY,
             InventoryRequest(job_id=job_id, rank=rank, world_size=world_size),
         )
         body = self._ok(status, data, "inventory")
         return parse_reply(InventoryReply, body, self.socket_path).inventory()
 
-    def stage(
-        self,
-        job_id: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        sources: Sequence[str] | None = None,
-        *,
-        verify_in_place: bool = True,
-    ) -> StageResult:
-        """``POST /v1/stage``. ``verify_in_place=False``: the caller verifies a RAM hit while
-        loading it (the result's ``deferred_verify`` says whether the sidecar left it to it).
-        Raises :class:`StageError` (no tier serves), ``TierFull``/``SlotsBusy``/``TierError``
-        and :class:`ProtocolError` (see the module docstring)."""
-        status, data = self.call(
-            "POST",
-            "/v1/stage",
-            StageRequest(
-                job_id=job_id,
-                step=step,
-                rank=rank,
-                world_size=world_size,
-                sources=list(sources) if sources is not None else None,
-                verify_in_place=verify_in_place,
-            ),
-            timeout=self.stage_timeout,
-        )
+    def stage(self, request: StageRequest) -> StageResult:
+        """``POST /v1/stage`` (:meth:`strata.client.stager.Stager.stage`); the sidecar honours
+        ``request.verify_in_place`` (the result's ``deferred_verify`` says whether it left the RAM
+        hit to the caller). Raises :class:`StageError` (no tier serves),
+        ``TierFull``/``SlotsBusy``/``TierError`` and :class:`ProtocolError` (see the module
+        docstring)."""
+        status, data = self.call(*STAGE, request, timeout=self.stage_timeout)
         if status == 404 and data.get("kind") == "stage_error":
             err = parse_reply(ErrorReply, data, self.socket_path)
             raise StageError(err.error, list(err.skipped), list(err.quarantined))
@@ -248,7 +233,7 @@ class SidecarClient:
             log.debug("report not sent: %s", exc)
             return
         try:
-            status, data = self.call("POST", "/v1/report", message, timeout=min(self.timeout, 2.0))
+            status, data = self.call(*REPORT, message, timeout=min(self.timeout, 2.0))
             if status != 200:
                 log.debug("sidecar refused a report: %s", data)
         except SidecarUnavailable as exc:
@@ -272,8 +257,7 @@ class SidecarClient:
         will follow (the sidecar may hold its first pass a few seconds for it). Raises :class:`SidecarUnavailable`,
         :class:`TierError` or :class:`ProtocolError`."""
         status, data = self.call(
-            "POST",
-            "/v1/terminate",
+            *TERMINATE,
             TerminateRequest(
                 job_id=job_id,
                 rank=rank,
@@ -289,7 +273,7 @@ class SidecarClient:
         )
 
     def status(self) -> StatusReply:
-        status, data = self.call("GET", "/v1/status")
+        status, data = self.call(*STATUS)
         return parse_reply(StatusReply, self._ok(status, data, "status"), self.socket_path)
 
 

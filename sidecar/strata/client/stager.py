@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from strata.protocol import ClientEvent
+from strata.protocol import ClientEvent, StageRequest
 from strata.restore import RankInventory, StageResult, collect_inventory, stage_into_ram
 from strata.tiers.base import Tier
 from strata.tiers.ram import RamTier
@@ -32,40 +32,22 @@ class Stager(Protocol):
     def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory:
         """What this rank can see in every tier (:func:`strata.restore.collect_inventory`)."""
 
-    def stage(
-        self,
-        job_id: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        sources: Sequence[str] | None = None,
-    ) -> StageResult:
-        """Put the shard into the RAM tier (committed there) and return provenance; the result's
-        ``path`` is the RAM data file. ``sources``: the tiers to try, nearest first (the plan's
-        :attr:`strata.restore.RestorePlan.sources` for this rank; None: every tier).
-        Raises :class:`strata.errors.StageError`."""
+    def stage(self, request: StageRequest) -> StageResult:
+        """Put ``request``'s shard into the RAM tier (committed there) and return provenance; the
+        result's ``path`` is the RAM data file. ``request.sources``: the tiers to try, nearest
+        first (the plan's :attr:`strata.restore.RestorePlan.sources` for this rank; None: every
+        tier). ``request.verify_in_place=False``: a RAM hit may be left unverified for the caller
+        to verify while loading it; a stager may leave it to the caller anyway, and the result's
+        ``deferred_verify`` says whether it did. Raises :class:`strata.errors.StageError`."""
 
     def report(self, event: ClientEvent) -> None:
         """Hand a save/restore event to whoever keeps metrics (best effort, never raises)."""
 
 
 class SidecarStager(Stager, Protocol):
-    """A :class:`Stager` in another process (the sidecar): it can be asked whether it answers,
-    and to leave a RAM hit's verification to the caller."""
-
-    def stage(
-        self,
-        job_id: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        sources: Sequence[str] | None = None,
-        *,
-        verify_in_place: bool = True,
-    ) -> StageResult:
-        """:meth:`Stager.stage`; ``verify_in_place=False``: a RAM hit is not verified here (the
-        result's ``deferred_verify`` says so) because the caller verifies it while loading it.
-        Raises :class:`strata.errors.ProtocolError` when the sidecar does not answer."""
+    """A :class:`Stager` in another process (the sidecar): it can be asked whether it answers.
+    Its :meth:`Stager.stage` honours ``verify_in_place`` and raises
+    :class:`strata.errors.ProtocolError` when the sidecar does not answer."""
 
     def ready(self) -> bool:
         """Whether the sidecar answers and is ready (never raises)."""
@@ -100,24 +82,18 @@ class LocalStager:
     def inventory(self, job_id: str, rank: int, world_size: int) -> RankInventory:
         return collect_inventory(self.tiers(), job_id, rank, world_size)
 
-    def stage(
-        self,
-        job_id: str,
-        step: int,
-        rank: int,
-        world_size: int,
-        sources: Sequence[str] | None = None,
-    ) -> StageResult:
+    def stage(self, request: StageRequest) -> StageResult:
+        """:meth:`Stager.stage`; a RAM hit is always left to the caller (``deferred_verify``)."""
         return stage_into_ram(
             self.tiers(),
             self.ram,
             self.slot_provider,
-            job_id,
-            step,
-            rank,
-            world_size=world_size,
+            request.job_id,
+            request.step,
+            request.rank,
+            world_size=request.world_size,
             verify=self.verify,
-            sources=sources,
+            sources=request.sources,
             verify_in_place=False,
         )
 

@@ -6,7 +6,8 @@ Talks to tiers only through the :class:`strata.tiers.base.Tier` contract.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from strata.errors import ShardCorrupt, TierError
@@ -22,6 +23,39 @@ RESHARD_ONLY = (
     "never with Checkpointer(reshard=False) or STRATA_RESTORE_RESHARD=0)"
 )
 """Said of a step written at another world size than the restoring job's."""
+
+
+@dataclass
+class TierListings:
+    """What `list_tiers` found: each listed tier's steps (tier name -> step -> listing), and the
+    incarnation records read in them, by id (the first found wins), as records and as
+    JSON-mode dicts."""
+
+    steps: dict[str, dict[int, StepListing]] = field(default_factory=dict)
+    found: dict[str, Incarnation] = field(default_factory=dict)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def lineage(self) -> Lineage:
+        """The lineage of every record found."""
+        return Lineage(self.found.values())
+
+
+def list_tiers(
+    tiers: Sequence[Tier], job_id: str, unlisted: Callable[[Tier, Exception], None]
+) -> TierListings:
+    """List ``job_id``'s steps in each of ``tiers`` and read its incarnation records there.
+    A tier that fails (:class:`TierError`, OSError) is passed to ``unlisted`` with the error
+    (never raises for it); a tier listed whose records then fail to read stays listed."""
+    out = TierListings()
+    for tier in tiers:
+        try:
+            out.steps[tier.name] = tier.list_steps(job_id)
+            for rec in read_incarnations(tier, job_id):
+                out.found.setdefault(rec.id, rec)
+                out.records.setdefault(rec.id, rec.model_dump(mode="json"))
+        except (TierError, OSError) as exc:
+            unlisted(tier, exc)
+    return out
 
 
 def collect_inventory(
@@ -48,19 +82,11 @@ def collect_inventory(
     partial: dict[str, dict[int, frozenset[int]]] = {}
     incarnations: dict[str, dict[int, str]] = {}
     unusable: dict[str, frozenset[int]] = {}
-    records: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
-    listings: dict[str, dict[int, StepListing]] = {}
-    found: dict[str, Incarnation] = {}
-    for tier in tiers:
-        try:
-            listings[tier.name] = tier.list_steps(job_id)
-            for rec in read_incarnations(tier, job_id):
-                found.setdefault(rec.id, rec)
-                records.setdefault(rec.id, rec.model_dump(mode="json"))
-        except (TierError, OSError) as exc:
-            notes.append(f"{tier.name}: not searched: {exc}")
-    lin = Lineage(found.values())
+    listed = list_tiers(
+        tiers, job_id, lambda tier, exc: notes.append(f"{tier.name}: not searched: {exc}")
+    )
+    listings, records, lin = listed.steps, listed.records, listed.lineage()
     for tier in tiers:
         if tier.name not in listings:
             continue

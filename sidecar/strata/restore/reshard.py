@@ -50,9 +50,9 @@ from strata.constants import ENV_RESTORE_RESHARD, ENV_RESTORE_RESHARD_PER_RANK
 from strata.errors import CommitError, ConfigError, RestoreError, TierError
 from strata.format.incarnation import Incarnation, Lineage
 from strata.format.manifest import Manifest
+from strata.restore.inventory import list_tiers
 from strata.tiers.base import Tier
 from strata.tiers.eligible import tier_steps
-from strata.tiers.records import read_incarnations
 
 log = logging.getLogger("strata.restore")
 
@@ -270,20 +270,12 @@ def reshard_sources(
     so with torch.distributed one rank lists them for all: one listing of GCS, not one per rank).
     """
     sources: list[dict[str, Any]] = []
-    records: dict[str, dict[str, Any]] = {}
-    found: dict[str, Incarnation] = {}
-    listings: dict[str, dict[int, Any]] = {}
-    for tier in tiers:
-        if not shared and tier.name not in LOCAL_SOURCES:
-            continue
-        try:
-            listings[tier.name] = tier.list_steps(job_id)
-            for rec in read_incarnations(tier, job_id):
-                found.setdefault(rec.id, rec)
-                records.setdefault(rec.id, rec.model_dump(mode="json"))
-        except (TierError, OSError) as exc:
-            log.info("reshard sources: %s not searched: %s", tier.name, exc)
-    lin = Lineage(found.values())
+    listed = list_tiers(
+        [t for t in tiers if shared or t.name in LOCAL_SOURCES],
+        job_id,
+        lambda tier, exc: log.info("reshard sources: %s not searched: %s", tier.name, exc),
+    )
+    listings, records, lin = listed.steps, listed.records, listed.lineage()
     for tier in tiers:
         if tier.name not in listings:
             continue

@@ -26,26 +26,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from strata import protocol as wire
 from strata.config import StrataConfig
 from strata.errors import SlotsBusy, StageError, TierError, TierFull
-from strata.protocol import (
-    HealthReply,
-    InventoryReply,
-    InventoryRequest,
-    M,
-    ReportReply,
-    RestoreEvent,
-    SaveEvent,
-    SlotReply,
-    SlotRequest,
-    StageReply,
-    StageRequest,
-    StatusReply,
-    TerminateReply,
-    TerminateRequest,
-    parse,
-    parse_event,
-)
 from strata.reports import FlushEstimate
 from strata.restore import collect_inventory, stage_into_ram
 from strata.sidecar.http import ApiError, Routes
@@ -59,10 +42,10 @@ from strata.tiers.slots import LocalSlotProvider, slot_size_for
 log = logging.getLogger("strata.sidecar.api")
 
 
-def _parse(model: type[M], request: dict[str, Any]) -> M:
+def _parse(model: type[wire.M], request: dict[str, Any]) -> wire.M:
     """The request as its :mod:`strata.protocol` message; 400 ``bad_request`` naming the field."""
     try:
-        return parse(model, request, model.__name__)
+        return wire.parse(model, request, model.__name__)
     except ValueError as exc:
         raise ApiError(400, "bad_request", str(exc)) from None
 
@@ -77,7 +60,7 @@ class LocalApi:
         tiers: Callable[[], list[Tier]],
         engine: PromotionEngine,
         metrics: Metrics,
-        on_client_event: Callable[[SaveEvent | RestoreEvent], None],
+        on_client_event: Callable[[wire.SaveEvent | wire.RestoreEvent], None],
         is_ready: Callable[[], bool],
         termination: TerminationFlush | None = None,
         flush_estimate: Callable[[], FlushEstimate] | None = None,
@@ -99,14 +82,14 @@ class LocalApi:
 
     def routes(self) -> Routes:
         routes = Routes()
-        routes.add("GET", "/healthz", self.healthz)
-        routes.add("POST", "/v1/slots", self.acquire_slot)
-        routes.add("POST", "/v1/inventory", self.inventory)
-        routes.add("GET", "/v1/inventory", self.inventory)
-        routes.add("POST", "/v1/stage", self.stage)
-        routes.add("POST", "/v1/report", self.report)
-        routes.add("GET", "/v1/status", self.status)
-        routes.add("POST", "/v1/terminate", self.terminate)
+        routes.add(*wire.HEALTHZ, self.healthz)
+        routes.add(*wire.SLOTS, self.acquire_slot)
+        routes.add(*wire.INVENTORY, self.inventory)
+        routes.add("GET", wire.INVENTORY.path, self.inventory)
+        routes.add(*wire.STAGE, self.stage)
+        routes.add(*wire.REPORT, self.report)
+        routes.add(*wire.STATUS, self.status)
+        routes.add(*wire.TERMINATE, self.terminate)
         return routes
 
     def _job(self, request: dict[str, Any]) -> str:
@@ -124,11 +107,11 @@ class LocalApi:
 
     def healthz(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         ready = self.is_ready()
-        return (200 if ready else 503), HealthReply(ready=ready).model_dump(mode="json")
+        return (200 if ready else 503), wire.HealthReply(ready=ready).model_dump(mode="json")
 
     def acquire_slot(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         job = self._job(request)
-        msg = _parse(SlotRequest, request)
+        msg = _parse(wire.SlotRequest, request)
         rank, nbytes = msg.rank, msg.nbytes
         exclude = [Path(p) for p in msg.exclude]
         self.engine.add_ranks([rank])
@@ -140,7 +123,7 @@ class LocalApi:
                 raise ApiError(507, "tier_full", str(exc)) from None
             except SlotsBusy as exc:
                 raise ApiError(409, "slots_busy", str(exc)) from None
-        return 200, SlotReply(path=str(path)).model_dump(mode="json")
+        return 200, wire.SlotReply(path=str(path)).model_dump(mode="json")
 
     def _check_fits(self, job: str, rank: int, nbytes: int) -> None:
         """Refuse a slot ring that would not fit in ``ram.size_limit_bytes`` (clear message)."""
@@ -168,10 +151,10 @@ class LocalApi:
 
     def inventory(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         job = self._job(request)
-        msg = _parse(InventoryRequest, request)
+        msg = _parse(wire.InventoryRequest, request)
         self.engine.add_ranks([msg.rank])
         inv = collect_inventory(self.tiers(), job, msg.rank, msg.world_size)
-        return 200, InventoryReply.of(inv).model_dump(mode="json")
+        return 200, wire.InventoryReply.of(inv).model_dump(mode="json")
 
     def _rank_lock(self, rank: int) -> threading.Lock:
         with self._alloc_lock:
@@ -181,12 +164,12 @@ class LocalApi:
         """Stage one shard; stagings of one rank are serialised (a prefetch and the trainer's
         restore of the same shard never copy it twice into two slots)."""
         job = self._job(request)
-        msg = _parse(StageRequest, request)
+        msg = _parse(wire.StageRequest, request)
         self.engine.add_ranks([msg.rank])
         with self._rank_lock(msg.rank):
             return self._stage(job, msg)
 
-    def _stage(self, job: str, msg: StageRequest) -> tuple[int, dict[str, Any]]:
+    def _stage(self, job: str, msg: wire.StageRequest) -> tuple[int, dict[str, Any]]:
         rank, step = msg.rank, msg.step
         t0 = time.perf_counter()
         try:
@@ -236,7 +219,7 @@ class LocalApi:
                 "skipped": res.skipped,
             },
         )
-        return 200, StageReply.of(res).model_dump(mode="json")
+        return 200, wire.StageReply.of(res).model_dump(mode="json")
 
     def _count_quarantines(self, tiers: Sequence[str]) -> None:
         for tier in tiers:
@@ -245,19 +228,19 @@ class LocalApi:
     def report(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         self._job(request)
         try:
-            event = parse_event(request)
+            event = wire.parse_event(request)
         except ValueError as exc:
             raise ApiError(400, "bad_request", str(exc)) from None
-        if isinstance(event, SaveEvent) and event.ok and event.stall_seconds is not None:
+        if isinstance(event, wire.SaveEvent) and event.ok and event.stall_seconds is not None:
             self.metrics.save_stall.observe(event.stall_seconds)
         if event.rank is not None:
             self.engine.add_ranks([event.rank])
         self.on_client_event(event)
-        return 200, ReportReply(accepted=True).model_dump(mode="json")
+        return 200, wire.ReportReply(accepted=True).model_dump(mode="json")
 
     def status(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         ranks = self.engine.local_ranks()
-        reply = StatusReply(
+        reply = wire.StatusReply(
             job_id=self.config.job_id,
             ready=self.is_ready(),
             local_ranks=sorted(ranks),
@@ -272,7 +255,7 @@ class LocalApi:
     def terminate(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """The trainer's termination notice (and, with ``wait_step``, its wait for the flush)."""
         self._job(request)
-        msg = _parse(TerminateRequest, request)
+        msg = _parse(wire.TerminateRequest, request)
         self.engine.add_ranks([msg.rank])
         deadline = self.termination.notice(
             msg.since_signal_seconds, hold=msg.final_save and msg.wait_step is None
@@ -283,7 +266,7 @@ class LocalApi:
             )
         last = self.termination.last
         started, done = self.termination.state()
-        reply = TerminateReply(
+        reply = wire.TerminateReply(
             started=started,
             done=done,
             ok=None if last is None else last.result.ok,

@@ -27,7 +27,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import TracebackType
 from typing import IO, TYPE_CHECKING
 
 from strata.testing.ports import free_port as free_port
@@ -230,12 +229,7 @@ class FakeGcsServer:
     def __enter__(self) -> FakeGcsServer:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

@@ -38,7 +38,6 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from strata.errors import ShardUnavailable, SlotsBusy, StrataError, TierError, TierFull
@@ -404,12 +403,7 @@ class SlotLease:
         self._fd = fd
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
             _unlock(self._fd)
             self._fd = None
@@ -464,12 +458,7 @@ class SlotWriteLock:
     def __enter__(self) -> Path:
         return self.path
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
