@@ -119,7 +119,21 @@ def _expected_uid(pod: Mapping[str, Any], kind: str) -> str | None:
     return next((str(labels[k]) for k in JOB_UID_LABELS if labels.get(k)), None)
 
 
-def _cached_workload(obj: dict[str, Any]) -> CachedWorkload:
+def answers_pod(cached: CachedWorkload, pod: Mapping[str, Any]) -> bool:
+    """Whether a workload read earlier can be the pod's: the uid the pod names (if any) is its
+    uid, and the pod's host name (if set, as the Job controller sets it for Indexed Jobs) is one
+    of its pods' (an Indexed Job whose completions grew since has more pods)."""
+    named = _pod_names_workload(pod)
+    uid = _expected_uid(pod, named[0]) if named else None
+    if uid is not None and cached.uid != uid:
+        return False
+    hostname = (pod.get("spec") or {}).get("hostname")
+    return hostname is None or cached.hosts is None or hostname in cached.hosts
+
+
+def cached_workload(obj: dict[str, Any]) -> CachedWorkload:
+    """``obj`` (a JobSet or Job as the API returns it, with ``kind``) with its uid and its pods'
+    host names (None when it cannot have peers)."""
     try:
         hosts: frozenset[str] | None = frozenset(p["id"] for p in workload_peers(obj))
     except PeerSpecError:
@@ -220,20 +234,16 @@ class PeerAdmission:
         if named is None:
             return None
         kind, name = named
-        uid = _expected_uid(pod, kind)
-        hostname = (pod.get("spec") or {}).get("hostname")
 
         def fresh(w: CachedWorkload) -> bool:
-            if uid is not None and w.uid != uid:
-                return False
-            return hostname is None or w.hosts is None or hostname in w.hosts
+            return answers_pod(w, pod)
 
         async def fetch() -> CachedWorkload:
             PEER_REQUESTS.labels(object="workload", source="api").inc()
             obj = await asyncio.to_thread(
                 _read_workload, kind, name, namespace, custom_api, batch_api, timeout
             )
-            return await asyncio.to_thread(_cached_workload, obj)
+            return await asyncio.to_thread(cached_workload, obj)
 
         cached, fetched = await self.workloads.get_fetched((namespace, kind, name), fetch, fresh)
         if not fetched:
