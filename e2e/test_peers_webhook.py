@@ -227,8 +227,9 @@ def test_a_peer_secret_deleted_by_a_user_is_created_again_by_a_later_admission(
     workload_crds: dict[str, str],
 ) -> None:
     """The operator cannot read Secrets, so it believes "the Secret exists" for
-    SECRET_TTL_SECONDS; the first pod admitted after that creates a deleted Secret again, with
-    new key material."""
+    SECRET_TTL_SECONDS; the first pod admitted after that has a deleted Secret created again
+    (with new key material) by the renewal it starts, which runs in the background: the test
+    waits for the Secret, up to a deadline far above a request's time."""
     _peers_policy_and_jobset(api, k8s_namespace)
     core = client.CoreV1Api(api)
     _, name = _peer_config(_pod(api, k8s_namespace, "llm-workers-0-0-first"))
@@ -237,6 +238,14 @@ def test_a_peer_secret_deleted_by_a_user_is_created_again_by_a_later_admission(
     time.sleep(SECRET_TTL_SECONDS + 0.5)
     _, again = _peer_config(_pod(api, k8s_namespace, "llm-workers-0-1-after-delete"))
     assert again == name
+    deadline = time.monotonic() + 30
+    names: list[str] = []
+    while time.monotonic() < deadline:
+        names = [s.metadata.name for s in core.list_namespaced_secret(k8s_namespace).items]
+        if name in names:
+            break
+        time.sleep(0.2)
+    assert name in names, f"the deleted Secret {name} was not created again"
     recreated = core.read_namespaced_secret(name, k8s_namespace)
     assert recreated.type == "kubernetes.io/tls"
     assert recreated.data != old

@@ -136,3 +136,52 @@ def test_the_least_recently_used_key_goes_beyond_max_entries() -> None:
 def test_bad_settings_are_refused(ttl: float, entries: int) -> None:
     with pytest.raises(ValueError, match="must be >="):
         SingleFlightCache(ttl=ttl, max_entries=entries)
+
+
+def test_past_its_ttl_a_value_is_served_while_one_request_renews_it() -> None:
+    async def main() -> None:
+        clock = Clock()
+        cache: SingleFlightCache[str, str] = SingleFlightCache(
+            ttl=5, clock=clock, refresh_in_background=True
+        )
+        fetch = Fetcher()
+        fetch.release.set()
+        assert await cache.get("k", fetch) == "v1"
+        clock.now += 5
+        fetch.release.clear()
+        # Old answers at once, one renewal in flight for all of them.
+        assert [await cache.get_fetched("k", fetch) for _ in range(3)] == [
+            ("v1", True),
+            ("v1", False),
+            ("v1", False),
+        ]
+        await asyncio.sleep(0)
+        assert fetch.calls == 2
+        fetch.release.set()
+        await asyncio.sleep(0.01)
+        assert await cache.get("k", fetch) == "v2"
+        # A stale value the caller cannot use is never served: it waits for the answer.
+        clock.now += 5
+        assert await cache.get("k", fetch, fresh=lambda v: v != "v2") == "v3"
+
+    asyncio.run(main())
+
+
+def test_a_failed_renewal_drops_the_value_and_the_next_caller_sees_the_failure() -> None:
+    async def main() -> None:
+        clock = Clock()
+        cache: SingleFlightCache[str, str] = SingleFlightCache(
+            ttl=5, clock=clock, refresh_in_background=True
+        )
+        fetch = Fetcher()
+        fetch.release.set()
+        await cache.get("k", fetch)
+        clock.now += 5
+        fetch.error = RuntimeError("403: may not create secrets")
+        assert await cache.get("k", fetch) == "v1"
+        await asyncio.sleep(0.01)
+        assert cache.cached("k") is None
+        with pytest.raises(RuntimeError, match="403"):
+            await cache.get("k", fetch)
+
+    asyncio.run(main())

@@ -17,15 +17,18 @@ burst made a workload GET, generated a CA and a key, and POSTed a Secret that wa
 pods but the first, two API calls per pod through the default executor; a 512-pod JobSet on a
 2-core machine saw handler p99 9.4 s, and about a fifth of its admissions timed out at the
 apiserver and were retried. Now a burst of one job makes about one workload GET and one Secret
-POST per :data:`WORKLOAD_TTL_SECONDS` / :data:`SECRET_TTL_SECONDS`. What that costs:
+POST per :data:`WORKLOAD_TTL_SECONDS` / :data:`SECRET_TTL_SECONDS`; past the TTL the answer is
+renewed in the background (the admission that finds it old does not wait), in two threads of
+its own. What that costs:
 
 - the workload is re-read when the cached one is older than its TTL, has another uid than the one
   the pod names (a workload deleted and created again under the same name), or does not list the
   pod's host name (an Indexed Job whose completions grew); a 404 or an API error is never kept;
 - the operator may create Secrets but never reads one (the chart grants ``create`` only), so it
   cannot see a Secret deleted behind its back: the first pod admitted more than
-  :data:`SECRET_TTL_SECONDS` after a user deleted the Secret creates it again; pods admitted
-  within that window wait in ``ContainerCreating`` for the mount until then. An operator start (empty
+  :data:`SECRET_TTL_SECONDS` after a user deleted the Secret has it created again (in the
+  background, moments after its admission); pods admitted before wait in ``ContainerCreating``
+  for the mount until then. An operator start (empty
   cache) or a second replica costs one key generation and a 409, nothing more. The key is
   keyed by the policy's uid too, so a policy deleted and created again (its Secrets are garbage
   collected) does not reuse the old answer.
@@ -40,10 +43,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
+import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import kopf
 from prometheus_client import Counter
@@ -57,6 +62,8 @@ from strata_operator.admission.peers import (
 )
 from strata_operator.admission.single_flight import SingleFlightCache
 from strata_operator.constants import JOB_NAME_LABELS, JOBSET_NAME_LABEL, MANAGED_BY
+
+T = TypeVar("T")
 
 JOBSET_API = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 JOBSET_UID_LABEL = "jobset.sigs.k8s.io/jobset-uid"
@@ -213,10 +220,20 @@ class PeerAdmission:
         max_entries: int = MAX_ENTRIES,
     ) -> None:
         self.workloads: SingleFlightCache[tuple[str, str, str], CachedWorkload] = SingleFlightCache(
-            workload_ttl, max_entries
+            workload_ttl, max_entries, refresh_in_background=True
         )
         self.secrets: SingleFlightCache[tuple[str, str, str], bool] = SingleFlightCache(
-            secret_ttl, max_entries
+            secret_ttl, max_entries, refresh_in_background=True
+        )
+        # The API requests get their own threads: behind the peer-list builds in the default
+        # executor (CPU work, one per pod) a renewal waited seconds in a burst on a busy machine.
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="strata-peer-api"
+        )
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(fn, *args)
         )
 
     async def pod_workload(
@@ -240,10 +257,9 @@ class PeerAdmission:
 
         async def fetch() -> CachedWorkload:
             PEER_REQUESTS.labels(object="workload", source="api").inc()
-            obj = await asyncio.to_thread(
-                _read_workload, kind, name, namespace, custom_api, batch_api, timeout
+            return await self._in_thread(
+                _read_cached_workload, kind, name, namespace, custom_api, batch_api, timeout
             )
-            return await asyncio.to_thread(cached_workload, obj)
 
         cached, fetched = await self.workloads.get_fetched((namespace, kind, name), fetch, fresh)
         if not fetched:
@@ -257,23 +273,28 @@ class PeerAdmission:
         policy: Mapping[str, Any],
         core_api: Any,
         timeout: float,
-    ) -> bool:
-        """Create the job's peer Secret unless it is known to exist; True if this call created
-        it. Errors: see :func:`create_peer_secret`."""
+    ) -> None:
+        """Create the job's peer Secret unless it is known to exist (past the TTL: renewed in
+        the background, module docstring). Errors: see :func:`create_peer_secret`."""
         uid = str((policy.get("metadata") or {}).get("uid") or "")
 
         async def create() -> bool:
             PEER_REQUESTS.labels(object="secret", source="api").inc()
             # Key generation is CPU work: off the event loop, with the request.
-            return await asyncio.to_thread(
+            return await self._in_thread(
                 create_peer_secret, job_id, namespace, policy, core_api, timeout
             )
 
         key = (namespace, peer_secret_name(job_id), uid)
-        created, fetched = await self.secrets.get_fetched(key, create)
+        _, fetched = await self.secrets.get_fetched(key, create)
         if not fetched:
             PEER_REQUESTS.labels(object="secret", source="cache").inc()
-        return created and fetched
+
+
+def _read_cached_workload(
+    kind: str, name: str, namespace: str, custom_api: Any, batch_api: Any, timeout: float
+) -> CachedWorkload:
+    return cached_workload(_read_workload(kind, name, namespace, custom_api, batch_api, timeout))
 
 
 def _read_workload(
