@@ -129,6 +129,21 @@ def test_install_refuses_no_replicas_and_a_shutdown_delay_past_the_grace_period(
         chart.template(NS, ok)
 
 
+def test_one_replica_with_a_delay_past_the_grace_period_keeps_the_whole_grace_period(
+    chart: Helm,
+) -> None:
+    """Why the chart accepts ``shutdownDelaySeconds >= terminationGracePeriodSeconds`` with one
+    replica: no preStop sleep is rendered (there is no other endpoint to drain to), so SIGTERM
+    comes at once and the operator has the whole grace period to stop; refusing the value would
+    only fail installs over a setting that does nothing."""
+    spec = _one(
+        chart.template(NS, ["shutdownDelaySeconds=60", "terminationGracePeriodSeconds=30"]),
+        "Deployment",
+    )["spec"]["template"]["spec"]
+    assert spec["terminationGracePeriodSeconds"] == 30
+    assert all("lifecycle" not in c for c in spec["containers"])
+
+
 def test_every_replica_elects_with_the_chart_lease_and_the_operator_accepts_the_flags(
     chart: Helm, tmp_path: Path
 ) -> None:

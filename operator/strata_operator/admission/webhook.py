@@ -18,8 +18,9 @@ after later plugins changed an injected pod) returns at once, without reading th
 handlers read the policy from the operator's own watch
 (:mod:`strata_operator.admission.policy_cache`; a GET when the watch has not delivered it yet, and
 for every admission after a start until the watch has caught up with a LIST made before the first)
-and call nothing else, except the peer Secret of a ``spec.peers`` policy, which a dry run skips
-(``sideEffects: NoneOnDryRun``).
+and call nothing else, except for a ``spec.peers`` policy the pod's workload and the job's peer
+Secret (a dry run skips the Secret, ``sideEffects: NoneOnDryRun``), both asked once per burst of
+a job (:mod:`strata_operator.admission.peer_admission`).
 
 The ``MutatingWebhookConfiguration`` and the server that publishes it before it listens are
 :mod:`strata_operator.admission.configuration`'s.
@@ -97,6 +98,8 @@ class WebhookState:
     """The operator's ``--namespace`` patterns (kopf's: globs, ``!`` excludes); empty: all."""
     watch: PolicyWatch | None = None
     """The webhook's own policy watch (started with the server); None: not started (tests)."""
+    peers: peer_admission.PeerAdmission = field(default_factory=peer_admission.PeerAdmission)
+    """Workload reads and peer Secret creation of ``spec.peers`` pods, with their caches."""
 
     async def get_policy(self, namespace: str, name: str) -> dict[str, Any]:
         """The CheckpointPolicy object (from the watch's cache, :mod:`strata_operator.admission.policy_cache`;
@@ -205,7 +208,7 @@ async def _admit(
         timeout = max(1, state.options.timeout_seconds - 2)
         workload = None
         if peers:
-            workload = await peer_admission.pod_workload(
+            workload = await state.peers.pod_workload(
                 raw, namespace, state.custom_api, state.batch_api, timeout
             )
         try:
@@ -220,9 +223,7 @@ async def _admit(
         except InjectionError as exc:
             raise kopf.AdmissionError(str(exc), code=DENY_INVALID) from None
         if peers and not dryrun:
-            await peer_admission.ensure_peer_secret(
-                job_id, namespace, policy, state.core_api, timeout
-            )
+            await state.peers.ensure_peer_secret(job_id, namespace, policy, state.core_api, timeout)
         warning = _not_ready_warning(policy)
         if warning:
             warnings.append(warning)
