@@ -176,3 +176,26 @@ def test_status_model_accepts_what_the_operator_and_receiver_write() -> None:
     too_many = [{"jobId": f"j{i}"} for i in range(api.MAX_JOBS + 1)]
     with pytest.raises(ValidationError, match="jobs"):
         api.CheckpointPolicyStatus.model_validate({"jobs": too_many})
+
+
+def test_every_pod_of_a_workload_shares_one_validated_peer_list() -> None:
+    """The peer list is validated once per policy and list, not once per pod (an admission
+    burst of a 512-pod job built 512 identical lists); a changed list or policy is new, and an
+    invalid peer is refused every time."""
+    spec = parse_spec(PolicyBuilder().pvc().set("peers", {"mode": "replicate", "copies": 1}).spec())
+    peers = [{"id": f"w-{i}", "address": f"w-{i}.js.ns.svc:8470"} for i in range(4)]
+    one = to_sidecar_config(spec, "ns.job", peers=peers)
+    two = to_sidecar_config(spec, "ns.job", peers=[dict(p) for p in peers])
+    assert one.peers is not None and one.peers is two.peers
+    assert [p.id for p in one.peers.peers] == ["w-0", "w-1", "w-2", "w-3"]
+    moved = [*peers[:3], {"id": "w-3", "address": "w-3.js.ns.svc:8471"}]
+    other = to_sidecar_config(spec, "ns.job", peers=moved)
+    assert other.peers is not None and other.peers.peers[3].address.endswith(":8471")
+    spec2 = parse_spec(
+        PolicyBuilder().pvc().set("peers", {"mode": "replicate", "copies": 2}).spec()
+    )
+    assert to_sidecar_config(spec2, "ns.job", peers=peers).peers.copies == 2  # type: ignore[union-attr]
+    bad = [*peers, {"id": "w 4", "address": "w-4:8470"}]
+    for _ in range(2):
+        with pytest.raises(ValidationError):
+            to_sidecar_config(spec, "ns.job", peers=bad)
