@@ -17,12 +17,13 @@ falls back to ``google_crc32c.value(bytes(chunk))``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
 import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -292,14 +293,8 @@ def file_chunk_and_sub_crcs(
     :func:`file_chunk_crcs` does."""
     if nbytes == 0:
         return [], 0, []
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < nbytes:
-            raise ValueError(f"{Path(path)} holds {size} bytes, the manifest records {nbytes}")
-        with mmap.mmap(
-            f.fileno(), nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        ) as mm:
-            return chunk_and_sub_crcs(mm, nbytes, chunk_size, sub_size, threads)
+    with _mapped(path, nbytes) as mm:
+        return chunk_and_sub_crcs(mm, nbytes, chunk_size, sub_size, threads)
 
 
 def file_chunk_crcs(
@@ -314,6 +309,14 @@ def file_chunk_crcs(
     """
     if nbytes == 0:
         return [], 0
+    with _mapped(path, nbytes) as mm:
+        return chunk_crcs(mm, nbytes, chunk_size, threads)
+
+
+@contextlib.contextmanager
+def _mapped(path: str | os.PathLike[str], nbytes: int) -> Iterator[mmap.mmap]:
+    """The first ``nbytes`` (> 0) of the file at ``path``, mapped; ``ValueError`` naming the
+    file when it is shorter (a truncated shard)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < nbytes:
@@ -323,7 +326,7 @@ def file_chunk_crcs(
         with mmap.mmap(
             f.fileno(), nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
         ) as mm:
-            return chunk_crcs(mm, nbytes, chunk_size, threads)
+            yield mm
 
 
 def first_bad_chunk(actual: Sequence[int], expected: Sequence[int]) -> int | None:
