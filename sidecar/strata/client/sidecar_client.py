@@ -9,7 +9,9 @@
   ``verify_in_place=False`` a RAM hit is left to the caller's one-pass load to verify:
   ``StageResult.deferred_verify``);
 
-plus ``report`` (save/restore events -> the sidecar's metrics and operator reports; best effort,
+plus the peer tier's reads (``peer_info``, ``peer_steps``, ``peer_manifest``, ``peer_range``:
+the sidecar alone holds the peers' TLS material; :mod:`strata.client.peer_source`), and
+``report`` (save/restore events -> the sidecar's metrics and operator reports; best effort,
 never raises). :func:`connect` returns a client only when a ready sidecar answers on the socket,
 so a trainer without a sidecar (or with a stale socket file) falls back to direct tier access.
 

@@ -15,6 +15,10 @@ job id (it never touches another job's data, which matters on a hostPath RAM med
 - terminate: the trainer got SIGTERM; start the termination flush now
   (:class:`strata.sidecar.termination.TerminationFlush`) and, with ``wait_step``, answer when
   that step is durable, the flush failed, or ``timeout_seconds`` passed.
+- peer (``/v1/peer/*``): this sidecar's peer tier for the trainer's resharding reads
+  (:class:`strata.client.peer_source.PeerSource`): listing, sealed manifests and unverified
+  ranged reads (raw bytes, at most :data:`strata.peers.wire.MAX_RANGE` each); 404 ``no_peers``
+  without a peer tier, 404 ``shard_unavailable`` for a shard no peer serves.
 """
 
 from __future__ import annotations
