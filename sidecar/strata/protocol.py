@@ -17,6 +17,21 @@ endpoint               request                   reply (200)
 ``POST /v1/terminate`` :class:`TerminateRequest` :class:`TerminateReply`
 =====================  ========================  ==================================
 
+The peer tier, read through the sidecar (it alone holds the peers' mTLS material), for the
+trainer's resharding reads (:class:`strata.client.peer_source.PeerSource`):
+
+=========================  ==========================  ====================================
+endpoint                   request                     reply (200)
+=========================  ==========================  ====================================
+``GET  /v1/peer``          --                          :class:`PeerInfoReply`
+``POST /v1/peer/steps``    :class:`JobRequest`         :class:`PeerStepsReply`
+``POST /v1/peer/manifest`` :class:`PeerShardRequest`   :class:`PeerManifestReply`
+``POST /v1/peer/range``    :class:`PeerRangeRequest`   the bytes (``application/octet-stream``)
+=========================  ==========================  ====================================
+
+Without a peer tier the last three answer 404 ``no_peers``; a shard no peer serves is 404
+``shard_unavailable``; a range longer than :attr:`PeerInfoReply.max_range` is 400.
+
 Any other status carries an :class:`ErrorReply` whose ``kind`` says what happened
 (``bad_request`` 400, ``wrong_job`` 403, ``stage_error`` 404, ``slots_busy`` 409,
 ``tier_full`` 507, ``tier_error`` 500/507, ``internal`` 500).
@@ -58,6 +73,11 @@ STAGE = Endpoint("POST", "/v1/stage")
 REPORT = Endpoint("POST", "/v1/report")
 STATUS = Endpoint("GET", "/v1/status")
 TERMINATE = Endpoint("POST", "/v1/terminate")
+PEER = Endpoint("GET", "/v1/peer")
+PEER_STEPS = Endpoint("POST", "/v1/peer/steps")
+PEER_MANIFEST = Endpoint("POST", "/v1/peer/manifest")
+PEER_RANGE = Endpoint("POST", "/v1/peer/range")
+PEER_DROP = Endpoint("POST", "/v1/peer/drop")
 
 
 class Message(BaseModel):
@@ -308,3 +328,47 @@ def describe(exc: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(str(p) for p in err['loc']) or '<body>'}: {err['msg']}" for err in exc.errors()
     )
+
+
+# -- the peer tier through the sidecar ------------------------------------------------------------
+
+
+class PeerInfoReply(Message):
+    """Whether this sidecar reaches a peer tier; ``max_range``: the most bytes one
+    ``/v1/peer/range`` answers (:data:`strata.peers.wire.MAX_RANGE`)."""
+
+    enabled: bool
+    max_range: Annotated[int, Field(ge=1)]
+
+
+class PeerStep(Message):
+    """What the peers hold of one step (:class:`strata.tiers.base.StepListing`)."""
+
+    step: NonNegative
+    committed_ranks: list[NonNegative]
+    world_size: Annotated[int, Field(ge=1)] | None = None
+
+
+class PeerStepsReply(Message):
+    steps: list[PeerStep]
+    notes: list[str] = []
+    """Why steps or ranks are not restorable from the peers (unreachable, beyond tolerance)."""
+
+
+class PeerShardRequest(JobRequest):
+    step: NonNegative
+    rank: NonNegative
+
+
+class PeerManifestReply(Message):
+    manifest: str
+    """The manifest's stored form (sealed JSON, :meth:`Manifest.to_json`): the trainer checks
+    its seal and identity as it does for every tier's."""
+
+
+class PeerRangeRequest(PeerShardRequest):
+    """Bytes ``[offset, offset + length)`` of the shard's stored data object, unverified (the
+    trainer checks them against the manifest's chunk CRC32Cs)."""
+
+    offset: NonNegative
+    length: Annotated[int, Field(ge=1)]

@@ -46,8 +46,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -149,8 +150,7 @@ class Checkpointer:
             keep=self.config.ram.keep,
             verify_threads=min(4, os.cpu_count() or 1),
         )
-        self.tiers = RestoreTiers(self.config, self.ram, self.writer_id)
-        """The tiers a restore reads (built on first use)."""
+        peer: Callable[[], Tier | None] | None = None
         self._sidecar_watch: SidecarWatch | None = None
         if slot_provider is None and stager is None:
             # A ready sidecar on the local socket serves slots and staging (strata.sidecar).
@@ -170,6 +170,11 @@ class Checkpointer:
                     self.config.restore.verify,
                 )
                 stager = SidecarFallbackStager(sidecar, direct)
+                if self.config.peers is not None:
+                    # Only the sidecar reaches the peers (it holds their TLS material).
+                    from strata.client.peer_source import peer_source
+
+                    peer = partial(peer_source, sidecar, self.config)
             elif self.config.pvc is not None or self.config.gcs is not None:
                 # Promotion is the sidecar's job: keep looking for one that starts late.
                 self._sidecar_watch = SidecarWatch(
@@ -180,6 +185,8 @@ class Checkpointer:
                         if tier is not None
                     ),
                 )
+        self.tiers = RestoreTiers(self.config, self.ram, self.writer_id, peer)
+        """The tiers a restore reads (built on first use)."""
         self.slot_provider: SlotProvider = slot_provider or LocalSlotProvider(
             self.ram, keep=self.config.ram.keep
         )

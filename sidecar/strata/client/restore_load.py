@@ -43,12 +43,21 @@ log = logging.getLogger("strata.client")
 class RestoreTiers:
     """The tiers a restore of ``config``'s job reads, in restore order (RAM first), built on
     the first call of :meth:`get` (``writer_id`` stamped on what they write). ``notes``: why a
-    tier was left out (a GCS tier without credentials or client library)."""
+    tier was left out (a GCS tier without credentials or client library). ``peer``: builds the
+    peer source on that first call (:func:`strata.client.peer_source.peer_source`, None when
+    there is none: the peers are reached through a sidecar only)."""
 
-    def __init__(self, config: StrataConfig, ram: RamTier, writer_id: str) -> None:
+    def __init__(
+        self,
+        config: StrataConfig,
+        ram: RamTier,
+        writer_id: str,
+        peer: Callable[[], Tier | None] | None = None,
+    ) -> None:
         self.config = config
         self.ram = ram
         self.writer_id = writer_id
+        self.peer = peer
         self.notes: list[str] = []
         self._tiers: list[Tier] | None = None
 
@@ -65,7 +74,8 @@ class RestoreTiers:
             durable = durable_tiers(
                 self.config, writer_id=self.writer_id, on_gcs_error=leave_out_gcs
             )
-            self._tiers = in_restore_order(self.config, self.ram, durable)
+            peer = self.peer() if self.peer is not None else None
+            self._tiers = in_restore_order(self.config, self.ram, durable, peer)
         return self._tiers
 
 

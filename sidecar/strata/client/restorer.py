@@ -39,6 +39,7 @@ from strata.format.incarnation import Incarnation, new_incarnation_id
 from strata.protocol import ClientEvent, RestoreEvent, StageRequest
 from strata.restore import RestorePlan, StageResult, plan_restore, skipped_partial_steps
 from strata.restore.reshard import (
+    LOCAL_SOURCES,
     PerRankValues,
     ReshardChoice,
     ReshardPolicy,
@@ -451,7 +452,7 @@ class Restorer:
         )
         targets: list[Tier] = [self.ram]
         if self.rank == 0:
-            targets += [t for t in self.tiers.get() if t.name != "ram"]
+            targets += [t for t in self.tiers.get() if t.name not in LOCAL_SOURCES]
         for tier in targets:
             try:
                 write_incarnation(tier, rec)

@@ -9,7 +9,9 @@
   ``verify_in_place=False`` a RAM hit is left to the caller's one-pass load to verify:
   ``StageResult.deferred_verify``);
 
-plus ``report`` (save/restore events -> the sidecar's metrics and operator reports; best effort,
+plus the peer tier's reads (``peer_info``, ``peer_steps``, ``peer_manifest``, ``peer_range``:
+the sidecar alone holds the peers' TLS material; :mod:`strata.client.peer_source`), and
+``report`` (save/restore events -> the sidecar's metrics and operator reports; best effort,
 never raises). :func:`connect` returns a client only when a ready sidecar answers on the socket,
 so a trainer without a sidecar (or with a stale socket file) falls back to direct tier access.
 
@@ -33,8 +35,10 @@ from typing import Any
 
 import tenacity
 
+from strata import protocol
 from strata.errors import (
     ProtocolError,
+    ShardUnavailable,
     SidecarUnavailable,
     SlotsBusy,
     StageError,
@@ -275,6 +279,97 @@ class SidecarClient:
     def status(self) -> StatusReply:
         status, data = self.call(*STATUS)
         return parse_reply(StatusReply, self._ok(status, data, "status"), self.socket_path)
+
+    # -- the peer tier (read through the sidecar: it holds the peers' mTLS material) -------------
+
+    def peer_info(self) -> protocol.PeerInfoReply | None:
+        """``GET /v1/peer``: whether this sidecar reaches a peer tier; None from a sidecar
+        that has no such endpoint (an older version). Raises :class:`SidecarUnavailable`,
+        :class:`TierError` or :class:`ProtocolError`."""
+        status, data = self.call(*protocol.PEER)
+        if status == 404 and data.get("kind") == "not_found":
+            return None
+        body = self._ok(status, data, "peer tier probe")
+        return parse_reply(protocol.PeerInfoReply, body, self.socket_path)
+
+    def peer_steps(self, job_id: str) -> protocol.PeerStepsReply:
+        """``POST /v1/peer/steps``: what the job's peers hold, by step. Raises
+        :class:`ShardUnavailable` (no peer tier), :class:`TierError` or
+        :class:`ProtocolError`."""
+        status, data = self.call(*protocol.PEER_STEPS, protocol.JobRequest(job_id=job_id))
+        body = self._peer_ok(status, data, "peer listing")
+        return parse_reply(protocol.PeerStepsReply, body, self.socket_path)
+
+    def peer_manifest(self, job_id: str, step: int, rank: int) -> bytes:
+        """``POST /v1/peer/manifest``: the stored (sealed) manifest of a peer copy of ``rank``'s
+        shard of ``step``, NOT parsed (the caller checks it:
+        :func:`strata.tiers.base.parse_manifest`). Raises :class:`ShardUnavailable` when no
+        peer serves it, :class:`TierError` or :class:`ProtocolError`."""
+        request = protocol.PeerShardRequest(job_id=job_id, step=step, rank=rank)
+        status, data = self.call(*protocol.PEER_MANIFEST, request)
+        body = self._peer_ok(status, data, f"peer manifest of step {step} rank {rank}")
+        return parse_reply(protocol.PeerManifestReply, body, self.socket_path).manifest.encode()
+
+    def peer_range(self, job_id: str, step: int, rank: int, offset: int, length: int) -> bytes:
+        """``POST /v1/peer/range``: at most ``length`` bytes (no more than
+        :attr:`PeerInfoReply.max_range`) of a peer copy's stored data object from byte
+        ``offset``, unverified; fewer only where the object ends. Raises
+        :class:`ShardUnavailable` when no peer serves it, :class:`SidecarUnavailable` (no
+        answer, or a reply cut short), :class:`TierError` or :class:`ProtocolError` (a reply
+        longer than asked)."""
+        request = protocol.PeerRangeRequest(
+            job_id=job_id, step=step, rank=rank, offset=offset, length=length
+        )
+        conn = UnixHTTPConnection(self.socket_path, timeout=self.stage_timeout)
+        try:
+            conn.request(
+                *protocol.PEER_RANGE,
+                body=request.model_dump_json().encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            response = conn.getresponse()
+            raw = response.read()  # http.client checks the explicit Content-Length
+            status, ctype = response.status, response.getheader("Content-Type", "")
+        except (OSError, http.client.HTTPException) as exc:
+            raise SidecarUnavailable(
+                f"the Strata sidecar on {self.socket_path} did not serve bytes {offset}+{length} "
+                f"of step {step} rank {rank} from the peers ({exc!r})"
+            ) from exc
+        finally:
+            conn.close()
+        if status == 200 and ctype == "application/octet-stream":
+            if len(raw) > length:
+                raise ProtocolError(
+                    f"the sidecar on {self.socket_path} answered {len(raw)} bytes for a range of "
+                    f"{length}; the trainer's and the sidecar's Strata versions must match"
+                )
+            return raw
+        try:
+            data = json.loads(raw or b"{}")
+        except json.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict):
+            data = {"error": raw[:512].decode(errors="replace"), "kind": "bad_response"}
+        what = f"peer range of step {step} rank {rank}"
+        self._peer_ok(status, data, what)  # raises unless 200
+        raise ProtocolError(
+            f"the sidecar on {self.socket_path} answered the {what} with {ctype or 'no'} content, "
+            "not bytes; the trainer's and the sidecar's Strata versions must match"
+        )
+
+    def peer_drop(self, job_id: str) -> None:
+        """``POST /v1/peer/drop``: the sidecar may remove the shards it rebuilt whole (from
+        erasure-coded parity) to serve ranged reads. Best effort: never raises."""
+        try:
+            self.call(*protocol.PEER_DROP, protocol.JobRequest(job_id=job_id))
+        except SidecarUnavailable as exc:
+            log.debug("peer drop not delivered: %s", exc)
+
+    def _peer_ok(self, status: int, data: dict[str, Any], what: str) -> dict[str, Any]:
+        """As :meth:`_ok`; 404 ``no_peers``/``shard_unavailable`` -> :class:`ShardUnavailable`."""
+        if status == 404 and data.get("kind") in ("no_peers", "shard_unavailable"):
+            raise ShardUnavailable(f"sidecar {what}: {data.get('error')}")
+        return self._ok(status, data, what)
 
 
 def connect(socket_path: str | os.PathLike[str], **kwargs: Any) -> SidecarClient | None:

@@ -24,6 +24,9 @@ log = logging.getLogger("strata.sidecar.http")
 
 JsonHandler = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
 """(request body or query as a dict) -> (HTTP status, response object)."""
+BytesHandler = Callable[[dict[str, Any]], bytes]
+"""(request body or query as a dict) -> the reply's bytes (200, ``application/octet-stream``,
+with its ``Content-Length``); errors as :class:`ApiError` (a JSON error reply)."""
 
 
 class ApiError(StrataError):
@@ -42,6 +45,7 @@ class Routes:
     def __init__(self) -> None:
         self.json: dict[tuple[str, str], JsonHandler] = {}
         self.raw: dict[tuple[str, str], Callable[[], tuple[int, str, bytes]]] = {}
+        self.bytes: dict[tuple[str, str], BytesHandler] = {}
 
     def add(self, method: str, path: str, handler: JsonHandler) -> None:
         self.json[(method, path)] = handler
@@ -50,6 +54,10 @@ class Routes:
         self, method: str, path: str, handler: Callable[[], tuple[int, str, bytes]]
     ) -> None:
         self.raw[(method, path)] = handler
+
+    def add_bytes(self, method: str, path: str, handler: BytesHandler) -> None:
+        """A route whose request is JSON and whose reply is raw bytes (:data:`BytesHandler`)."""
+        self.bytes[(method, path)] = handler
 
 
 def _make_handler(routes: Routes) -> type[BaseHTTPRequestHandler]:
@@ -78,7 +86,9 @@ def _make_handler(routes: Routes) -> type[BaseHTTPRequestHandler]:
                 self._send(status, ctype, body)
                 return
             handler = routes.json.get((method, url.path))
-            if handler is None:
+            as_bytes = routes.bytes.get((method, url.path))
+            reply_bytes: bytes | None = None
+            if handler is None and as_bytes is None:
                 self._send_json(
                     404, {"error": f"no endpoint {method} {url.path}", "kind": "not_found"}
                 )
@@ -92,7 +102,11 @@ def _make_handler(routes: Routes) -> type[BaseHTTPRequestHandler]:
                     request = json.loads(body or b"{}")
                     if not isinstance(request, dict):
                         raise ApiError(400, "bad_request", "the request body must be a JSON object")
-                status, response = handler(request)
+                if as_bytes is not None:
+                    reply_bytes = as_bytes(request)
+                else:
+                    assert handler is not None
+                    status, response = handler(request)
             except ApiError as exc:
                 status = exc.status
                 response = {"error": str(exc), "kind": exc.kind, **exc.extra}
@@ -107,6 +121,9 @@ def _make_handler(routes: Routes) -> type[BaseHTTPRequestHandler]:
                     500,
                     {"error": f"{type(exc).__name__}: {exc}", "kind": "internal"},
                 )
+            if reply_bytes is not None:
+                self._send(200, "application/octet-stream", reply_bytes)
+                return
             self._send_json(status, response)
 
         def _send_json(self, status: int, obj: dict[str, Any]) -> None:

@@ -15,6 +15,10 @@ job id (it never touches another job's data, which matters on a hostPath RAM med
 - terminate: the trainer got SIGTERM; start the termination flush now
   (:class:`strata.sidecar.termination.TerminationFlush`) and, with ``wait_step``, answer when
   that step is durable, the flush failed, or ``timeout_seconds`` passed.
+- peer (``/v1/peer/*``): this sidecar's peer tier for the trainer's resharding reads
+  (:class:`strata.client.peer_source.PeerSource`): listing, sealed manifests and unverified
+  ranged reads (raw bytes, at most :data:`strata.peers.wire.MAX_RANGE` each); 404 ``no_peers``
+  without a peer tier, 404 ``shard_unavailable`` for a shard no peer serves.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from typing import Any
 
 from strata import protocol as wire
 from strata.config import StrataConfig
-from strata.errors import SlotsBusy, StageError, TierError, TierFull
+from strata.errors import ShardCorrupt, ShardUnavailable, SlotsBusy, StageError, TierError, TierFull
+from strata.peers.tier import PeerTier
+from strata.peers.wire import MAX_RANGE
 from strata.reports import FlushEstimate
 from strata.restore import collect_inventory, stage_into_ram
 from strata.sidecar.http import ApiError, Routes
@@ -90,6 +96,11 @@ class LocalApi:
         routes.add(*wire.REPORT, self.report)
         routes.add(*wire.STATUS, self.status)
         routes.add(*wire.TERMINATE, self.terminate)
+        routes.add(*wire.PEER, self.peer_info)
+        routes.add(*wire.PEER_STEPS, self.peer_steps)
+        routes.add(*wire.PEER_MANIFEST, self.peer_manifest)
+        routes.add_bytes(*wire.PEER_RANGE, self.peer_range)
+        routes.add(*wire.PEER_DROP, self.peer_drop)
         return routes
 
     def _job(self, request: dict[str, Any]) -> str:
@@ -278,3 +289,87 @@ class LocalApi:
             message="" if last is None else last.result.message,
         )
         return 200, reply.model_dump(mode="json")
+
+    # -- the peer tier, for the trainer's resharding reads (strata.client.peer_source) ----------
+
+    _peer_listing = threading.Lock()
+    """One peer listing at a time (it refreshes the peer tier's view of every peer)."""
+
+    def _peer_tier(self) -> PeerTier:
+        """This sidecar's peer tier; 404 ``no_peers`` when it has none."""
+        for tier in self.tiers():
+            if isinstance(tier, PeerTier):
+                return tier
+        raise ApiError(
+            404,
+            "no_peers",
+            f"the sidecar of job {self.config.job_id!r} has no peer tier (peers are not "
+            "configured for this pod); restore from RAM, the PVC or GCS",
+        )
+
+    def peer_info(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        enabled = any(isinstance(t, PeerTier) for t in self.tiers())
+        reply = wire.PeerInfoReply(enabled=enabled, max_range=MAX_RANGE)
+        return 200, reply.model_dump(mode="json")
+
+    def peer_steps(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        job = self._job(request)
+        tier = self._peer_tier()
+        with self._peer_listing:
+            try:
+                listing = tier.list_steps(job)
+            except TierError as exc:
+                raise ApiError(500, "tier_error", f"peer listing: {exc}") from None
+            notes = list(tier.notes)
+        steps = [
+            wire.PeerStep(
+                step=s, committed_ranks=sorted(e.committed_ranks), world_size=e.world_size
+            )
+            for s, e in sorted(listing.items())
+        ]
+        return 200, wire.PeerStepsReply(steps=steps, notes=notes).model_dump(mode="json")
+
+    def peer_manifest(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        job = self._job(request)
+        msg = _parse(wire.PeerShardRequest, request)
+        tier = self._peer_tier()
+        try:
+            m = tier.get_manifest(job, msg.step, msg.rank)
+        except TierError as exc:
+            raise _peer_error(exc) from None
+        reply = wire.PeerManifestReply(manifest=m.to_json().decode())
+        return 200, reply.model_dump(mode="json")
+
+    def peer_range(self, request: dict[str, Any]) -> bytes:
+        """The bytes of a ranged read of a peer copy (:meth:`PeerTier.read_range`: ranged GETs
+        of a peer's copy, or a shard rebuilt from parity), unverified: the trainer checks them
+        against the manifest. 400 for a range longer than :data:`MAX_RANGE`."""
+        job = self._job(request)
+        msg = _parse(wire.PeerRangeRequest, request)
+        if msg.length > MAX_RANGE:
+            raise ApiError(
+                400,
+                "bad_request",
+                f"a peer range of {msg.length} bytes is more than the {MAX_RANGE} bytes one "
+                "request serves (GET /v1/peer: max_range); ask in pieces",
+            )
+        tier = self._peer_tier()
+        try:
+            return tier.read_range(job, msg.step, msg.rank, msg.offset, msg.length)
+        except TierError as exc:
+            raise _peer_error(exc) from None
+
+    def peer_drop(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Remove the shards the peer tier rebuilt whole to serve ranged reads (a reader
+        closed; another reader still using one rebuilds it on its next read)."""
+        self._job(request)
+        self._peer_tier().drop_fetched()
+        return 200, wire.ReportReply(accepted=True).model_dump(mode="json")
+
+
+def _peer_error(exc: TierError) -> ApiError:
+    """404 ``shard_unavailable`` for a shard no peer serves (or serves corrupt: the trainer
+    falls back to the next source), 500 ``tier_error`` otherwise."""
+    if isinstance(exc, (ShardUnavailable, ShardCorrupt)):
+        return ApiError(404, "shard_unavailable", f"peer: {exc}")
+    return ApiError(500, "tier_error", f"peer: {exc}")
