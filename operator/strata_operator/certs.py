@@ -28,11 +28,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from strata.errors import StrataError
+
 GENERATED_VALIDITY = datetime.timedelta(days=365)
 """Lifetime of generated certificates; the operator regenerates them at every start anyway."""
 
 
-class CertError(ValueError):
+class CertError(StrataError, ValueError):
     """TLS material is missing or unusable; the message names the file and what to do."""
 
 

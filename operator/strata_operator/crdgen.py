@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from strata.errors import StrataError
 from strata_operator import api
 from strata_operator.api.validation import MAX_POLICY_NAME, POLICY_NAME_MESSAGE
 
@@ -77,7 +78,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
 ]
 
 
-class SchemaError(ValueError):
+class SchemaError(StrataError, ValueError):
     """The models produce something that cannot become a structural schema (a bug in api/models.py)."""
 
 

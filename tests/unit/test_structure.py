@@ -1,4 +1,5 @@
-"""The package's structure rules that no type checker sees: every error under StrataError."""
+"""The packages' structure rules that no type checker sees: every error under StrataError (the
+data plane and the operator)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ import pkgutil
 import pytest
 
 import strata
+import strata_operator
 from strata.errors import StrataError
 
 # Modules that need an optional dependency, or torch, are still imported: the test venv has
 # them. Only entry points that run on import are skipped.
-_SKIP = {"strata.__main__", "strata.peers.__main__", "strata.cli.__main__", "strata.demo"}
+_SKIP = {
+    "strata.__main__",
+    "strata.peers.__main__",
+    "strata.cli.__main__",
+    "strata.demo",
+    "strata_operator.__main__",
+    "strata_operator.kubectl.__main__",
+}
 
 
 def _runtime_modules() -> list[str]:
@@ -22,11 +31,14 @@ def _runtime_modules() -> list[str]:
         if info.name in _SKIP or info.name.startswith("strata.testing"):
             continue
         names.append(info.name)
+    for info in pkgutil.walk_packages(strata_operator.__path__, "strata_operator."):
+        if info.name not in _SKIP:
+            names.append(info.name)
     return sorted(names)
 
 
 @pytest.mark.parametrize("name", _runtime_modules())
-def test_every_error_class_of_the_data_plane_derives_from_strata_error(name: str) -> None:
+def test_every_error_class_derives_from_strata_error(name: str) -> None:
     module = importlib.import_module(name)
     stray = [
         cls.__qualname__

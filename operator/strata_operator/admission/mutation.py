@@ -79,6 +79,7 @@ from pydantic import BaseModel, ValidationError
 
 from strata.config import StrataConfig
 from strata.constants import ENV_FAILURE_DOMAIN
+from strata.errors import StrataError
 from strata.peers.placement import group_sizes
 from strata_operator.admission import pod_checks
 from strata_operator.admission.peers import (
@@ -127,7 +128,7 @@ _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _GENERATED_SUFFIX_RE = re.compile(r"-+$")
 
 
-class InjectionError(ValueError):
+class InjectionError(StrataError, ValueError):
     """A pod or workload cannot be mutated; the message names the object and what to do."""
 
 

@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from strata.errors import StrataError
 from strata_operator.certs import self_signed_ca
 
 PEER_PORT = 8477
@@ -37,7 +38,7 @@ PEER_VALIDITY = datetime.timedelta(days=90)
 """Lifetime of a job's peer certificate; a job running longer needs its Secret re-issued."""
 
 
-class PeerSpecError(ValueError):
+class PeerSpecError(StrataError, ValueError):
     """The workload cannot give stable peer addresses; the message says what to change."""
 
 

@@ -33,6 +33,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from strata.errors import StrataError
+
 EXIT_OK, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CLUSTER, EXIT_TIMEOUT = 0, 2, 3, 5, 6
 
 EPILOG = """\
@@ -42,7 +44,7 @@ exit codes: 0 success; 1 verify found a bad copy (verify passes `strata verify`'
 """
 
 
-class PluginError(Exception):
+class PluginError(StrataError):
     """A failure with a message for the user and an exit code."""
 
     def __init__(self, message: str, code: int) -> None:

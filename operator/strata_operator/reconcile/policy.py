@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from strata.errors import StrataError
 from strata_operator import constants as k
 from strata_operator.api import CheckpointPolicySpec, GcsTierSpec
 from strata_operator.api import conditions as c
@@ -35,7 +36,7 @@ from strata_operator.constants import PSS_ENFORCE_LABEL
 PSS_NO_HOST_PATH = frozenset({"baseline", "restricted"})
 
 
-class ReconcileError(Exception):
+class ReconcileError(StrataError):
     """A domain error of a reconcile: ``reason`` (a conditions constant) and a message."""
 
     def __init__(self, reason: str, message: str, *, retry_after: float | None = None) -> None:

@@ -14,6 +14,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
+from strata.errors import StrataError
+
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 R = TypeVar("R")
@@ -21,7 +23,7 @@ R = TypeVar("R")
 Flush = Callable[[K, Sequence[T]], Awaitable[Sequence[R]]]
 
 
-class QueueFull(Exception):
+class QueueFull(StrataError):
     """Too many items are waiting for one key; the caller should retry later."""
 
 

