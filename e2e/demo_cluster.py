@@ -39,14 +39,12 @@ from e2e.node.story import (
     checkpoint_policy,
     delete_pod_keeping_saves,
     saved_events,
-    wait_for,
-    wait_restore_folded,
-    wait_restored_event,
-)
-from e2e.test_real_node import (
     setup_pvc,
     sigkill_trainer_and_restore,
     trainer_pod,
+    wait_for,
+    wait_restore_folded,
+    wait_restored_event,
     wait_running,
 )
 from strata_operator.constants import POLICY_LABEL

@@ -34,15 +34,19 @@ from e2e.cluster import REAL_NODE_NAME, LocalCluster
 from e2e.node.fixtures import real_node, strata_images  # noqa: F401 - fixtures
 from e2e.node.harness import NODE_SELECTOR, TOLERATION, RealNode
 from e2e.node.operator import NodeOperator, node_operator  # noqa: F401 - fixture
-from e2e.node.story import PVC_EVERY, kubectl_json, pod_events, saved_events, wait_for
-from e2e.test_kubectl_strata import kubectl_strata, plugin_env  # noqa: F401 - fixture
-from e2e.test_real_node import (
+from e2e.node.story import (
+    PVC_EVERY,
     container_status,
+    kubectl_json,
+    pod_events,
+    saved_events,
     setup_pvc,
     sigkill_trainer_and_restore,
     trainer_pod,
+    wait_for,
     wait_running,
 )
+from e2e.test_kubectl_strata import kubectl_strata, plugin_env  # noqa: F401 - fixture
 from e2e.test_real_node_pods import apply_policy, job_status, report
 from e2e.test_workloads import JOBSET_NAME_LABEL, jobset_controller  # noqa: F401 - fixture
 from e2e.workloads import JobSetController

@@ -48,17 +48,15 @@ from e2e.node.stack import (
 )
 from e2e.node.story import (
     checkpoint_policy,
+    container_status,
     pod_events,
     policy_job,
     saved_events,
-    wait_for,
-    wait_restore_folded,
-)
-from e2e.test_real_node import (
-    container_status,
     setup_pvc,
     sigkill_trainer_and_restore,
     trainer_pod,
+    wait_for,
+    wait_restore_folded,
     wait_running,
 )
 from strata_operator.constants import INJECTED_ANNOTATION, POLICY_LABEL, SIDECAR_NAME

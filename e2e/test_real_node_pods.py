@@ -42,14 +42,17 @@ from e2e.node.story import (
     PVC_EVERY,
     RAM_EVERY,
     SIDECAR_IMAGE,
+    container_status,
     delete_pod_keeping_saves,
     kubectl_json,
     pod_events,
     saved_events,
+    setup_pvc,
+    trainer_pod,
     wait_for,
     wait_restored_event,
+    wait_running,
 )
-from e2e.test_real_node import container_status, setup_pvc, trainer_pod, wait_running
 from strata_operator.constants import (
     EVENT_TIER_FAILED,
     POLICY_LABEL,

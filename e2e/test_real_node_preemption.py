@@ -23,9 +23,15 @@ import pytest
 from e2e.cluster import REPO_ROOT, LocalCluster
 from e2e.node.fixtures import real_node, strata_images  # noqa: F401 - fixtures
 from e2e.node.harness import RealNode
-from e2e.node.story import SIDECAR_IMAGE, kubectl_json, trainer_pod_spec, wait_for
+from e2e.node.story import (
+    SIDECAR_IMAGE,
+    kubectl_json,
+    setup_pvc,
+    trainer_pod_spec,
+    wait_for,
+    wait_running,
+)
 from e2e.operator_fixtures import OperatorProcess
-from e2e.test_real_node import setup_pvc, wait_running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_node, pytest.mark.timeout(1800)]
 

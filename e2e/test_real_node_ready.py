@@ -29,9 +29,8 @@ import pytest
 from e2e.cluster import LocalCluster
 from e2e.node.fixtures import real_node, strata_images  # noqa: F401 - fixtures
 from e2e.node.harness import NODE_SELECTOR, TOLERATION, RealNode
-from e2e.node.story import SIDECAR_IMAGE, TRAINER_IMAGE, kubectl_json, wait_for
+from e2e.node.story import SIDECAR_IMAGE, TRAINER_IMAGE, container_status, kubectl_json, wait_for
 from e2e.operator_fixtures import OperatorProcess
-from e2e.test_real_node import container_status
 from strata_operator.constants import POLICY_LABEL, RUN_ID_ANNOTATION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_node, pytest.mark.timeout(1500)]

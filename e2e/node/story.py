@@ -1,6 +1,7 @@
 """The steps of the real-node stories, shared by the tests (``e2e/test_real_node*.py``) and
 ``make demo-cluster`` (`e2e.demo_cluster`): the checkpoint policy (RAM every `RAM_EVERY` steps,
-PVC every `PVC_EVERY`), the trainer pod, reading the trainer's JSON events from its log,
+PVC every `PVC_EVERY`), a hostPath PVC, the trainer pod and waiting for it to run, reading the
+trainer's JSON events from its log, SIGKILLing the trainer and checking its RAM restore,
 deleting a pod while keeping the saves it logged, waiting for a ``restored`` event, and the
 operator's view of a job in the policy status.
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from e2e.cluster import LocalCluster
-from e2e.node.harness import NODE_SELECTOR, TOLERATION
+from e2e.node.harness import NODE_SELECTOR, TOLERATION, RealNode
 from strata_operator.constants import POLICY_LABEL, RUN_ID_ANNOTATION
 
 SIDECAR_IMAGE = "strata.dev/sidecar:e2e"
@@ -260,3 +261,127 @@ def wait_restore_folded(
     return wait_for(  # type: ignore[no-any-return]
         f"the restore of step {step} in the policy status", done, timeout=timeout
     )
+
+
+def setup_pvc(cluster: LocalCluster, ns: str, path: Path) -> None:
+    """A ReadWriteMany hostPath PV + a PVC ``ckpt`` bound to it."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o777)
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"ckpt-{ns}"[:63]},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "manual",
+            "persistentVolumeReclaimPolicy": "Retain",
+            "hostPath": {"path": str(path), "type": "Directory"},
+            "claimRef": {"namespace": ns, "name": "ckpt"},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "ckpt", "namespace": ns},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "manual",
+            "volumeName": pv["metadata"]["name"],  # type: ignore[index]
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]}),
+    )
+    wait_for(
+        "the PVC to be Bound",
+        lambda: (
+            kubectl_json(cluster, "-n", ns, "get", "pvc", "ckpt")["status"].get("phase") == "Bound"
+        ),
+    )
+
+
+def trainer_pod(name: str, run_id: str, steps: int) -> dict[str, Any]:
+    return trainer_pod_spec(
+        name, run_id, "fast", ["--steps", str(steps), "--step-seconds", str(STEP_SECONDS)]
+    )
+
+
+def container_status(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    status = pod.get("status") or {}
+    for s in [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]:
+        if s["name"] == name:
+            return dict(s)
+    return {}
+
+
+def wait_running(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
+    def running() -> dict[str, Any] | None:
+        pod = kubectl_json(cluster, "-n", ns, "get", "pod", name)
+        ok = (pod.get("status") or {}).get("phase") == "Running" and container_status(
+            pod, "trainer"
+        ).get("state", {}).get("running")
+        return pod if ok else None
+
+    try:
+        return wait_for(f"pod {name} Running", running, timeout=240)  # type: ignore[no-any-return]
+    except AssertionError:
+        pod = kubectl_json(cluster, "-n", ns, "get", "pod", name)
+        raise AssertionError(
+            f"pod {name} not Running: {json.dumps(pod.get('status'), indent=1)}"
+        ) from None
+
+
+@dataclass
+class Sigkilled:
+    """What `sigkill_trainer_and_restore` saw: the trainer's ``restored`` event after the
+    restart, the steps it saved before the kill (``{step: weights_sha256}``), and seconds from
+    the kill to the restarted container running and to the restored event."""
+
+    restored: dict[str, Any]
+    saved: dict[int, str]
+    restart_s: float
+    restore_s: float
+
+
+def sigkill_trainer_and_restore(
+    cluster: LocalCluster, ns: str, node: RealNode, name: str, pod: dict[str, Any]
+) -> Sigkilled:
+    """SIGKILL the trainer container's PID 1 of the running pod ``name`` (``pod``: its object)
+    through containerd, wait for the kubelet to restart it and for its ``restored`` event, and
+    assert it restored from RAM the newest step saved before the kill (or the one before it,
+    when the kill hit a save still being copied) with the bytes saved."""
+    # SIGKILL the trainer's process (the container's PID 1) through containerd.
+    cid = container_status(pod, "trainer")["containerID"].split("://", 1)[1]
+    saves_before = saved_events(cluster, ns, name)
+    node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
+    killed = time.monotonic()
+
+    def restarted() -> dict[str, Any] | None:
+        p = kubectl_json(cluster, "-n", ns, "get", "pod", name)
+        st = container_status(p, "trainer")
+        return p if st.get("restartCount", 0) >= 1 and st.get("state", {}).get("running") else None
+
+    pod = wait_for("the kubelet to restart the trainer", restarted, timeout=120)
+    restart_s = time.monotonic() - killed
+    term = container_status(pod, "trainer")["lastState"]["terminated"]
+    assert term["exitCode"] == 137, term
+    saves = saved_events(cluster, ns, name, previous=True)
+    assert len(saves) >= len(saves_before)
+    restored = wait_restored_event(cluster, ns, name)
+    restore_s = time.monotonic() - killed
+    by_step = {e["step"]: e["weights_sha256"] for e in saves}
+    newest = max(by_step)
+    assert restored["tier"] == "ram", restored
+    # The newest saved step (a save still being copied at the kill may not be committed: then
+    # the one before it).
+    assert restored["step"] in (newest, newest - RAM_EVERY), (restored, sorted(by_step))
+    assert restored["weights_sha256"] == by_step[restored["step"]]
+    return Sigkilled(restored, by_step, restart_s, restore_s)
