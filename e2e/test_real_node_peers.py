@@ -267,10 +267,10 @@ def write_other_ca_client(directory: Path, job_id: str) -> tuple[Path, Path, Pat
 
 
 def inventory_request(
-    ip: str, port: int, ca: Path, cert: Path, key: Path, verify_server: bool = True
+    ip: str, port: int, ca: Path, cert: Path | None, key: Path | None, verify_server: bool = True
 ) -> str:
-    """``GET /v1/inventory`` over TLS 1.3 with the given client certificate; the raw answer
-    (status line first). Raises ssl.SSLError / OSError when the peer refuses."""
+    """``GET /v1/inventory`` over TLS 1.3 with the given client certificate (None: none); the
+    raw answer (status line first). Raises ssl.SSLError / OSError when the peer refuses."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.check_hostname = False
@@ -278,7 +278,8 @@ def inventory_request(
         ctx.load_verify_locations(cafile=str(ca))
     else:
         ctx.verify_mode = ssl.CERT_NONE
-    ctx.load_cert_chain(str(cert), str(key))
+    if cert is not None and key is not None:
+        ctx.load_cert_chain(str(cert), str(key))
     with (
         socket.create_connection((ip, port), timeout=10) as raw,
         ctx.wrap_socket(raw) as tls,
@@ -307,6 +308,23 @@ def test_pod_that_lost_its_ram_restores_from_its_peer_over_mtls(
     request: pytest.FixtureRequest,
 ) -> None:
     cluster, ns = k8s_cluster, k8s_namespace
+    try:
+        flow(cluster, ns, node_pair, tmp_path, request)
+    finally:
+        # Before the pair stops: the Job controller would otherwise re-create deleted pods.
+        cluster.kubectl(
+            "-n", ns, "delete", "job", JOB, "--cascade=foreground", "--ignore-not-found",
+            "--wait=true", "--timeout=120s", check=False,
+        )  # fmt: skip
+
+
+def flow(
+    cluster: LocalCluster,
+    ns: str,
+    node_pair: NodePair,  # noqa: F811
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
     begin = time.monotonic()
     nodes = {n.name: n for n in node_pair.nodes}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(peers_policy(ns)))
@@ -335,8 +353,14 @@ def test_pod_that_lost_its_ram_restores_from_its_peer_over_mtls(
         timeout=180,
     )
     trained_s = time.monotonic() - begin
+    # The peers (and gloo's master address) were found by their pod host names.
     assert node_pair.dns is not None
-    assert node_pair.dns.queries, "no pod host name was resolved by the pair's DNS"
+    for index in (0, 1):
+        host = f"{JOB}-{index}.strata-peers-{JOB}.{ns}.svc"
+        assert any(q.startswith(host) for q in node_pair.dns.queries), (
+            host,
+            node_pair.dns.queries,
+        )
 
     # Node B's peer port: the job's certificate is served, another CA's is refused.
     job_id = f"{ns}.{JOB}"
@@ -351,13 +375,16 @@ def test_pod_that_lost_its_ram_restores_from_its_peer_over_mtls(
     )
     assert answer.startswith("HTTP/1.") and " 200 " in answer.splitlines()[0], answer[:300]
     other_ca, other_cert, other_key = write_other_ca_client(tmp_path, job_id)
-    with pytest.raises((ssl.SSLError, ConnectionError)):
-        got = inventory_request(
-            ip_b, PEER_PORT, other_ca, other_cert, other_key, verify_server=False
-        )
-        # A refusal may also read as a closed connection with nothing served.
-        if not got:
-            raise ConnectionError("closed without an answer")
+    for what, cert, key in (
+        ("another CA's certificate naming the job", other_cert, other_key),
+        ("no client certificate", None, None),
+    ):
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            got = inventory_request(ip_b, PEER_PORT, other_ca, cert, key, verify_server=False)
+            # A refusal may also read as a closed connection with nothing served.
+            if not got:
+                raise ConnectionError("closed without an answer")
+            raise AssertionError(f"node B's peer port served a client with {what}: {got[:300]}")
 
     # Delete rank 0's pod: its RAM tier (an emptyDir) goes with it.
     cluster.kubectl("-n", ns, "delete", "pod", pod_a, "--wait=false")

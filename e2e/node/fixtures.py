@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,6 +134,9 @@ def node_pair(
     try:
         yield pair
     finally:
+        stopping = time.monotonic()
         pair.stop()
+        if reporter is not None:
+            reporter.write_line(f"real node pair stopped in {time.monotonic() - stopping:.1f} s")
         left = pair.leftovers()
         assert not left, f"the real node pair left behind: {left}"

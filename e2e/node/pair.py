@@ -30,7 +30,7 @@ from typing import Final
 
 from e2e.cluster import LocalCluster
 from e2e.node.dns import PodDns
-from e2e.node.harness import NodeUnavailable, RealNode
+from e2e.node.harness import NodeUnavailable, RealNode, _routes
 
 PAIR_NODE_NAMES: Final = ("strata-peer-a", "strata-peer-b")
 
@@ -121,7 +121,10 @@ class NodePair:
             raise errors[0]
 
     def leftovers(self) -> list[str]:
+        """What of either node, their routes or the DNS is still on the machine."""
         left = [f"{n.name}: {item}" for n in self.nodes for item in n.leftovers()]
+        subnets = [n.subnet for n in self.nodes if n.subnet is not None]
+        left += [f"route {r}" for r in _routes() if any(r.overlaps(s) for s in subnets)]
         if self.dns is not None and self.dns.listening():
             left.append("pod DNS still listening")
         return left
