@@ -198,7 +198,7 @@ def running(pod: dict[str, Any]) -> bool:
 
 def ram_dir(node: RealNode, pod: dict[str, Any]) -> Path:
     """The pod's strata-ram emptyDir (a tmpfs) on its node."""
-    uid = pod["metadata"]["uid"]
+    uid = str(pod["metadata"]["uid"])
     return (
         node.directory
         / "kubelet"
@@ -420,7 +420,7 @@ def flow(
         "both ranks restored",
         lambda: (r := {0: restored(cluster, ns, new["metadata"]["name"]),
                        1: restored(cluster, ns, pod_b)})
-        and all(r.values()) and r.get(1, {}).get("step") is not None and r,
+        and all(r.values()) and (r[1] or {}).get("step") is not None and r,
         timeout=420,
     )  # fmt: skip
     restore_s = time.monotonic() - deleted

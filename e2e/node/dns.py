@@ -182,15 +182,16 @@ class PodDns:
         try:
             while not self._stop.is_set():
                 for key, _ in sel.select(timeout=0.5):
-                    sock = key.fileobj
-                    assert isinstance(sock, socket.socket)
+                    ready = key.fileobj
+                    if not isinstance(ready, socket.socket):
+                        continue
                     try:
-                        packet, peer = sock.recvfrom(4096)
+                        packet, peer = ready.recvfrom(4096)
                     except OSError:
                         continue
                     reply = self.respond(packet)
                     if reply is not None:
                         with contextlib.suppress(OSError):
-                            sock.sendto(reply, peer)
+                            ready.sendto(reply, peer)
         finally:
             sel.close()
