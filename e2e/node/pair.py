@@ -25,6 +25,8 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
 
@@ -94,6 +96,20 @@ class NodePair:
             raise
         self.timings["both ready"] = time.monotonic() - begin
         return self.timings["both ready"]
+
+    def import_images(self, archives: Mapping[str, Path]) -> dict[str, float]:
+        """Import the OCI archives ``{image name: archive}`` into both nodes' containerd, the two
+        nodes in parallel (each its own ``ctr`` processes); returns the seconds per
+        ``"<node> <image>"``. Raises the first `NodeError` of either node."""
+
+        def one(node: RealNode) -> dict[str, float]:
+            return {f"{node.name} {n}": node.import_image(a) for n, a in archives.items()}
+
+        out: dict[str, float] = {}
+        with ThreadPoolExecutor(max_workers=len(self.nodes)) as pool:
+            for seconds in pool.map(one, self.nodes):
+                out.update(seconds)
+        return out
 
     def stop(self) -> None:
         """Stop both nodes (each tried even when the other fails) and the DNS; the first error
