@@ -17,7 +17,10 @@ between the two pods across the nodes, TLS 1.3 between the sidecars. Flow:
   equals what rank 0 saved at that step; rank 1 restores the same step from its own RAM, and both
   train on;
 * node B's peer port refuses a client whose certificate is not of the job's CA (even with the
-  job's URI SAN), and serves the job's own certificate (so the refusal is the CA check).
+  job's URI SAN) or without one, and serves the job's own certificate (so the refusal is the CA
+  check);
+* the pair's DNS (`e2e.node.dns.PodDns`) against the real apiserver, without the nodes: pod host
+  names resolve to the pod's IP, nothing else resolves.
 """
 
 from __future__ import annotations
@@ -453,3 +456,77 @@ def flow(
         f"from the peer tier (node B's copy) in {ev['seconds']} s, {restore_s:.1f} s after its "
         f"pod was gone; test {time.monotonic() - begin:.1f} s",
     )
+
+
+# ----------------------------------------------------------------------------- the pair's DNS
+
+
+def dns_query(port: int, name: str, qtype: int = 1) -> tuple[int, list[str]]:
+    """(rcode, A addresses) of one UDP query to 127.0.0.1:``port``."""
+    import struct
+
+    qname = b"".join(bytes([len(label)]) + label.encode() for label in name.split(".")) + b"\0"
+    packet = struct.pack("!HHHHHH", 0x5AFE, 0x0100, 1, 0, 0, 0) + qname
+    packet += struct.pack("!HH", qtype, 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(10)
+        sock.sendto(packet, ("127.0.0.1", port))
+        reply = sock.recv(4096)
+    qid, flags, _, count = struct.unpack("!HHHH", reply[:8])
+    assert qid == 0x5AFE and flags & 0x8000, reply
+    # Each answer: name pointer, type, class, TTL, length (12 bytes), then the 4-byte address.
+    first = 12 + len(qname) + 4
+    ips = [
+        socket.inet_ntoa(reply[first + 16 * i + 12 : first + 16 * (i + 1)]) for i in range(count)
+    ]
+    return flags & 0xF, ips
+
+
+def test_pair_dns_serves_pod_host_names_from_the_api_and_nothing_else(
+    k8s_cluster: LocalCluster, k8s_namespace: str
+) -> None:
+    """`PodDns` against the real apiserver: a pod's ``<hostname>.<subdomain>.<ns>.svc`` (with or
+    without ``.cluster.local``) is its podIP, AAAA is empty, search-list expansions and outside
+    names are NXDOMAIN, and a deleted pod's name stops resolving."""
+    from e2e.cluster import free_port
+    from e2e.node.dns import PodDns
+
+    ns = k8s_namespace
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "w-0", "namespace": ns},
+        "spec": {
+            "hostname": "w-0",
+            "subdomain": "sub",
+            "nodeName": "no-such-node",  # never runs: its status is written below
+            "containers": [{"name": "c", "image": "strata.dev/none:e2e"}],
+        },
+    }
+    k8s_cluster.kubectl("-n", ns, "create", "-f", "-", input=json.dumps(pod))
+    k8s_cluster.request(
+        f"/api/v1/namespaces/{ns}/pods/w-0/status",
+        "PUT",
+        {**kubectl_json(k8s_cluster, "-n", ns, "get", "pod", "w-0"),
+         "status": {"phase": "Running", "podIP": "10.254.7.9",
+                    "podIPs": [{"ip": "10.254.7.9"}]}},
+    )  # fmt: skip
+    dns = PodDns(k8s_cluster, ["127.0.0.1"], port=free_port())
+    dns.start()
+    try:
+        name = f"w-0.sub.{ns}.svc"
+        assert dns_query(dns.port, name) == (0, ["10.254.7.9"])
+        assert dns_query(dns.port, name.upper() + ".cluster.local") == (0, ["10.254.7.9"])
+        assert dns_query(dns.port, name, qtype=28) == (0, [])  # AAAA: NODATA
+        for other in (
+            f"{name}.{ns}.svc.cluster.local",  # a search-list expansion
+            f"w-1.sub.{ns}.svc",
+            f"sub.{ns}.svc",
+            "example.com",
+        ):
+            assert dns_query(dns.port, other) == (3, []), other
+        k8s_cluster.kubectl("-n", ns, "delete", "pod", "w-0", "--grace-period=0", "--force")
+        assert dns_query(dns.port, name) == (3, [])
+    finally:
+        dns.stop()
+    assert not dns.listening()
