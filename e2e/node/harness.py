@@ -141,12 +141,28 @@ class RealNode:
     Ready; ``stop()`` leaves nothing behind. ``import_image(archive)`` loads an OCI archive into
     containerd's ``k8s.io`` namespace (pods then use ``imagePullPolicy: Never``)."""
 
-    def __init__(self, cluster: LocalCluster, directory: Path) -> None:
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        directory: Path,
+        *,
+        name: str = REAL_NODE_NAME,
+        cluster_dns: str | None = None,
+    ) -> None:
+        """``name``: the Node's name (a node named otherwise than `REAL_NODE_NAME` gets a client
+        certificate of its own, ``system:node:<name>``, signed by the cluster CA).
+        ``cluster_dns``: the IP address pods of ``dnsPolicy: ClusterFirst`` use as their
+        nameserver (the kubelet's ``clusterDNS``, domain ``cluster.local``); None: pods get an
+        empty resolv.conf."""
         self.cluster = cluster
         self.id = uuid.uuid4().hex[:8]
         # Unix socket paths are limited to 108 bytes: keep the node's directory short.
         self.directory = directory.resolve()
-        self.name = REAL_NODE_NAME
+        self.name = name
+        self.cluster_dns = cluster_dns
+        self.pod_routes: list[ipaddress.IPv4Network] = []
+        """Networks (other nodes' pod subnets) the pods reach through the bridge gateway; see
+        `route_pods_to`."""
         self.bridge = f"sn{self.id}"
         self.cgroup = f"/strata-{self.id}"
         self.subnet: ipaddress.IPv4Network | None = None
@@ -221,8 +237,34 @@ class RealNode:
         _run("ip", "link", "add", "name", self.bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
+        self._write_cni_conf()
+
+    def route_pods_to(self, subnet: ipaddress.IPv4Network) -> None:
+        """Give this node's pods a route to ``subnet`` (another node's pod subnet) through the
+        bridge gateway, and let the kernel forward what arrives on this node's bridge (only on
+        it: ``net.ipv4.conf.<bridge>.forwarding``, which goes away with the bridge; the
+        machine-wide ``ip_forward`` is left alone). Call after `reserve_network` and before
+        `start`: pods created afterwards get the route."""
+        if self.subnet is None:
+            raise NodeError(f"node {self.name}: route_pods_to needs reserve_network first")
+        if subnet.overlaps(self.subnet):
+            raise NodeError(f"node {self.name}: {subnet} overlaps the node's own {self.subnet}")
+        if subnet not in self.pod_routes:
+            self.pod_routes.append(subnet)
+        Path(f"/proc/sys/net/ipv4/conf/{self.bridge}/forwarding").write_text("1\n")
+        self._write_cni_conf()
+
+    def _write_cni_conf(self) -> None:
+        assert self.subnet is not None
         cni_dir = self.directory / "cni"
         (cni_dir / "net.d").mkdir(parents=True, exist_ok=True)
+        ipam: dict[str, Any] = {
+            "type": "host-local",
+            "ranges": [[{"subnet": str(self.subnet), "gateway": self.gateway}]],
+            "dataDir": str(cni_dir / "ipam"),
+        }
+        if self.pod_routes:
+            ipam["routes"] = [{"dst": str(n), "gw": self.gateway} for n in self.pod_routes]
         conf = {
             "cniVersion": "0.4.0",
             "name": f"strata-{self.id}",
@@ -233,11 +275,7 @@ class RealNode:
                     "isGateway": False,
                     "ipMasq": False,
                     "hairpinMode": True,
-                    "ipam": {
-                        "type": "host-local",
-                        "ranges": [[{"subnet": str(self.subnet), "gateway": self.gateway}]],
-                        "dataDir": str(cni_dir / "ipam"),
-                    },
+                    "ipam": ipam,
                 }
             ],
         }
@@ -355,7 +393,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
 
         c = self.cluster
         p = c.pki
-        kubeconfig = write_kubeconfig(self.directory / "kubelet.kubeconfig", c.server, p, "kubelet")
+        kubeconfig = write_kubeconfig(
+            self.directory / "kubelet.kubeconfig", c.server, self._kubelet_pki(), "kubelet"
+        )
         c.kubectl(
             "create",
             "clusterrolebinding",
@@ -408,6 +448,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "shutdownGracePeriod": "0s",
             "localStorageCapacityIsolation": True,
         }
+        if self.cluster_dns is not None:
+            config["clusterDNS"] = [self.cluster_dns]
+            config["clusterDomain"] = "cluster.local"
         cfg = self.directory / "kubelet.yaml"
         cfg.write_text(json.dumps(config, indent=2))
         self.kubelet = Component(
@@ -431,6 +474,15 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             if time.monotonic() > deadline:
                 raise NodeError(f"node {self.name} not Ready in time:\n{self.kubelet.log_tail(40)}")
             time.sleep(0.5)
+
+    def _kubelet_pki(self) -> Any:
+        """The `e2e.pki.Pki` holding the kubelet's client certificate ``kubelet``: the cluster's
+        for `REAL_NODE_NAME`, else one in the node's directory for ``system:node:<name>``."""
+        if self.name == REAL_NODE_NAME:
+            return self.cluster.pki
+        from e2e.node.credentials import node_client_pki
+
+        return node_client_pki(self.cluster.pki, self.directory / "pki", self.name)
 
     def ready(self) -> bool:
         try:
