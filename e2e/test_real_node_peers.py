@@ -46,13 +46,7 @@ from e2e.node.fixtures import node_pair, strata_images  # noqa: F401 - fixtures
 from e2e.node.harness import TOLERATION, RealNode
 from e2e.node.operator import NodeOperator
 from e2e.node.pair import NodePair
-from e2e.operator_fixtures import (
-    OPERATOR_NAMESPACE,
-    WEBHOOK_CONFIG,
-    apply_crds,
-    ensure_namespace,
-)
-from e2e.test_real_node import (
+from e2e.node.story import (
     SIDECAR_IMAGE,
     container_status,
     kubectl_json,
@@ -60,6 +54,12 @@ from e2e.test_real_node import (
     saved_events,
     trainer_pod,
     wait_for,
+)
+from e2e.operator_fixtures import (
+    OPERATOR_NAMESPACE,
+    WEBHOOK_CONFIG,
+    apply_crds,
+    ensure_namespace,
 )
 from strata_operator.admission.peers import PEER_PORT, job_uri, peer_secret_name
 from strata_operator.constants import POLICY_LABEL
