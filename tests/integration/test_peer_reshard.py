@@ -293,3 +293,69 @@ def test_the_peer_source_is_absent_without_peers_and_falls_back_when_peers_fail(
     sidecar.kill()  # gone mid-restore: this source is unavailable, the next one serves
     with pytest.raises(ShardUnavailable, match="the next source serves it"):
         source.get_manifest(JOB, 7, 0)
+
+
+def _one_node_with_a_lost_peer(shm_dir: Path, tmp_path: Path) -> StrataConfig:
+    """Node 0's config: peers worker-0 (itself) and worker-1, on whose port nothing listens."""
+    ca = make_ca()
+    ports = [free_port(), free_port()]
+    tls, _ = job_tls(tmp_path / "tls", JOB, ca)
+    return StrataConfig.parse(
+        {
+            "job_id": JOB,
+            "ram": {"path": str(shm_dir / "node0"), "keep": 1},
+            "metrics_port": free_port(),
+            "metrics_host": "127.0.0.1",
+            "peers": {
+                "mode": "replicate",
+                "self_id": "worker-0",
+                "peers": [
+                    {"id": f"worker-{i}", "address": f"127.0.0.1:{p}"} for i, p in enumerate(ports)
+                ],
+                "listen_host": "127.0.0.1",
+                "port": ports[0],
+                "tls": tls.model_dump(),
+                "poll_seconds": 0.2,
+            },
+        }
+    )
+
+
+def test_the_peers_notes_reach_the_resharding_restore(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Callable[..., SidecarProcess]
+) -> None:
+    """Two ranks on one node save step 130; the job restarts at one rank and reshards it from
+    the node's RAM. The node's sidecar could not reach its peer worker-1 when it listed the
+    peers for the restore: the restore says so in ``skipped``, next to the reshard note."""
+    config = _one_node_with_a_lost_peer(shm_dir, tmp_path)
+    sidecar_proc(config)
+    run_job("save", [config, config], tmp_path / "save")
+    (got,) = run_job("restore", [config], tmp_path / "restore")
+    assert got["step"] == STEP and got["resharded"] is True and all(got["equal"].values()), got
+    assert f"step {STEP} resharded from world size 2 to 1 (read from ram)" in got["skipped"], got
+    unreachable = [n for n in got["skipped"] if n.startswith("peer") and "worker-1" in n]
+    assert unreachable, got["skipped"]  # the sidecar's note about its unreachable peer
+
+
+def test_a_failed_probe_of_the_sidecar_is_a_note_of_the_restore(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """A sidecar that does not answer the peer-tier probe: no peer source, and the restore's
+    notes (the tiers' notes, the first of ``RestoreResult.skipped``) say the peers were not
+    searched and why."""
+    from functools import partial
+
+    from strata.client.peer_source import peer_source
+    from strata.client.restore_load import RestoreTiers
+    from strata.client.sidecar_client import SidecarClient
+    from strata.tiers.ram import RamTier
+
+    config = _one_node_with_a_lost_peer(shm_dir, tmp_path)
+    gone = SidecarClient(tmp_path / "no-sidecar.sock")  # nothing listens: the probe fails
+    tiers = RestoreTiers(
+        config, RamTier(shm_dir / "node0"), "w", partial(peer_source, gone, config)
+    )
+    assert [t.name for t in tiers.get()] == ["ram"]
+    assert len(tiers.notes) == 1, tiers.notes
+    assert tiers.notes[0].startswith("peer: not searched: the sidecar did not say"), tiers.notes
+    assert "no-sidecar.sock" in tiers.notes[0], tiers.notes
