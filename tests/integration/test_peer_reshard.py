@@ -424,3 +424,45 @@ def test_a_resized_job_reshards_from_erasure_coded_peers_rebuilding_the_lost_sha
     assert_resharded_from_peer(got)
     assert not list(rebuilt.glob("strata-range-*")), list(rebuilt.iterdir())
     print("4 -> 2 from parity: bytes fetched over the local API, needed, ratio:", ratios(got))
+
+
+def test_one_rank_closing_keeps_a_rebuilt_shard_another_rank_of_its_node_reads(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Callable[..., SidecarProcess]
+) -> None:
+    """Two ranks of one node (two peer sources on one sidecar) read the shard their sidecar
+    rebuilt from parity: it is rebuilt once; the first closing leaves it to the second, which
+    reads on without a rebuild; the last closing removes it."""
+    from strata.client.peer_source import PeerSource
+    from strata.client.sidecar_client import SidecarClient
+    from strata.tiers.references import chunk_span, read_logical
+
+    replacement, rebuilt = _erasure_coded_job(shm_dir, tmp_path, sidecar_proc)
+    client = SidecarClient(replacement.socket)
+    info = client.peer_info()
+    assert info is not None and info.enabled
+    first, second = (PeerSource(client, JOB, info.max_range) for _ in range(2))
+    assert STEP in first.list_steps(JOB) and 1 in first.list_steps(JOB)[STEP].committed_ranks
+    m = first.get_manifest(JOB, STEP, 1)
+    n = m.data_nbytes
+
+    def read(source: PeerSource, lo: int, hi: int) -> None:
+        # verified against the manifest's CRC32Cs: the bytes rank 1 saved
+        lo, hi = chunk_span(m, lo, hi - lo)
+        assert len(read_logical(source, JOB, STEP, 1, m, lo, hi)) == hi - lo
+
+    read(first, 0, n // 2)
+    copies = list(rebuilt.glob("strata-range-*"))
+    assert len(copies) == 1, copies  # rebuilt whole, once
+    read(second, n // 2, n)
+    read(first, n - 1, n)
+    assert list(rebuilt.glob("strata-range-*")) == copies  # the same copy serves both ranks
+    first.drop_fetched()  # the first rank's reader closes
+    assert list(rebuilt.glob("strata-range-*")) == copies, "removed under the second rank"
+    read(second, 0, n)
+    assert list(rebuilt.glob("strata-range-*")) == copies  # not rebuilt
+    second.drop_fetched()  # the last reader of the node closes: the copy goes
+    assert not list(rebuilt.glob("strata-range-*"))
+    read(second, 0, 1)  # and a later read rebuilds it
+    assert len(list(rebuilt.glob("strata-range-*"))) == 1
+    second.drop_fetched()
+    assert not list(rebuilt.glob("strata-range-*"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -54,6 +55,9 @@ class PeerSource(Tier):
         self.job_id = job_id
         self.max_range = max_range
         self.nbytes_fetched = 0
+        self.reader = f"{os.getpid()}-{uuid.uuid4().hex}"
+        """This source's id in its range requests and drops: the sidecar keeps the shards it
+        rebuilt for ranged reads until every source reading them dropped them."""
         self.notes: list[str] = []
         """The sidecar's notes from the last listing (peers unreachable, beyond tolerance),
         each starting ``peer``; a restore adds them to its notes (``RestoreResult.skipped``)."""
@@ -91,7 +95,9 @@ class PeerSource(Tier):
         done = 0
         while done < nbytes:
             want = min(self.max_range, nbytes - done)
-            read = partial(self.client.peer_range, job_id, step, rank, offset + done, want)
+            read = partial(
+                self.client.peer_range, job_id, step, rank, offset + done, want, self.reader
+            )
             piece = self._unless_gone(read, step, rank)
             parts.append(piece)
             done += len(piece)
@@ -129,9 +135,10 @@ class PeerSource(Tier):
         return m
 
     def drop_fetched(self) -> None:
-        """Let the sidecar remove the shards it rebuilt whole (from parity) for ranged reads
-        (best effort)."""
-        self.client.peer_drop(self.job_id)
+        """This source is done with the shards the sidecar rebuilt whole (from parity) for its
+        ranged reads: the sidecar removes them once no other source of the node (another rank)
+        still reads them (best effort)."""
+        self.client.peer_drop(self.job_id, self.reader)
 
     def _unless_gone(self, call: Callable[[], bytes], step: int, rank: int) -> bytes:
         try:
