@@ -27,9 +27,10 @@ endpoint                   request                     reply (200)
 ``POST /v1/peer/steps``    :class:`JobRequest`         :class:`PeerStepsReply`
 ``POST /v1/peer/manifest`` :class:`PeerShardRequest`   :class:`PeerManifestReply`
 ``POST /v1/peer/range``    :class:`PeerRangeRequest`   the bytes (``application/octet-stream``)
+``POST /v1/peer/drop``     :class:`PeerDropRequest`    :class:`ReportReply`
 =========================  ==========================  ====================================
 
-Without a peer tier the last three answer 404 ``no_peers``; a shard no peer serves is 404
+Without a peer tier all but the first answer 404 ``no_peers``; a shard no peer serves is 404
 ``shard_unavailable``; a range longer than :attr:`PeerInfoReply.max_range` is 400.
 
 Any other status carries an :class:`ErrorReply` whose ``kind`` says what happened
@@ -372,3 +373,15 @@ class PeerRangeRequest(PeerShardRequest):
 
     offset: NonNegative
     length: Annotated[int, Field(ge=1)]
+    reader: str = ""
+    """The reading :class:`strata.client.peer_source.PeerSource` (an opaque id, unique per
+    process and source): the sidecar keeps the shards it rebuilt for ranged reads until every
+    reader that read since the last removal dropped them (:class:`PeerDropRequest`)."""
+
+
+class PeerDropRequest(JobRequest):
+    """``reader`` is done with the shards the sidecar rebuilt whole for ranged reads: they are
+    removed once no other reader of this node is using them. ``""`` (a client of an older
+    version): removed now."""
+
+    reader: str = ""

@@ -293,3 +293,176 @@ def test_the_peer_source_is_absent_without_peers_and_falls_back_when_peers_fail(
     sidecar.kill()  # gone mid-restore: this source is unavailable, the next one serves
     with pytest.raises(ShardUnavailable, match="the next source serves it"):
         source.get_manifest(JOB, 7, 0)
+
+
+def _one_node_with_a_lost_peer(shm_dir: Path, tmp_path: Path) -> StrataConfig:
+    """Node 0's config: peers worker-0 (itself) and worker-1, on whose port nothing listens."""
+    ca = make_ca()
+    ports = [free_port(), free_port()]
+    tls, _ = job_tls(tmp_path / "tls", JOB, ca)
+    return StrataConfig.parse(
+        {
+            "job_id": JOB,
+            "ram": {"path": str(shm_dir / "node0"), "keep": 1},
+            "metrics_port": free_port(),
+            "metrics_host": "127.0.0.1",
+            "peers": {
+                "mode": "replicate",
+                "self_id": "worker-0",
+                "peers": [
+                    {"id": f"worker-{i}", "address": f"127.0.0.1:{p}"} for i, p in enumerate(ports)
+                ],
+                "listen_host": "127.0.0.1",
+                "port": ports[0],
+                "tls": tls.model_dump(),
+                "poll_seconds": 0.2,
+            },
+        }
+    )
+
+
+def test_the_peers_notes_reach_the_resharding_restore(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Callable[..., SidecarProcess]
+) -> None:
+    """Two ranks on one node save step 130; the job restarts at one rank and reshards it from
+    the node's RAM. The node's sidecar could not reach its peer worker-1 when it listed the
+    peers for the restore: the restore says so in ``skipped``, next to the reshard note."""
+    config = _one_node_with_a_lost_peer(shm_dir, tmp_path)
+    sidecar_proc(config)
+    run_job("save", [config, config], tmp_path / "save")
+    (got,) = run_job("restore", [config], tmp_path / "restore")
+    assert got["step"] == STEP and got["resharded"] is True and all(got["equal"].values()), got
+    assert f"step {STEP} resharded from world size 2 to 1 (read from ram)" in got["skipped"], got
+    unreachable = [n for n in got["skipped"] if n.startswith("peer") and "worker-1" in n]
+    assert unreachable, got["skipped"]  # the sidecar's note about its unreachable peer
+
+
+def test_a_failed_probe_of_the_sidecar_is_a_note_of_the_restore(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """A sidecar that does not answer the peer-tier probe: no peer source, and the restore's
+    notes (the tiers' notes, the first of ``RestoreResult.skipped``) say the peers were not
+    searched and why."""
+    from functools import partial
+
+    from strata.client.peer_source import peer_source
+    from strata.client.restore_load import RestoreTiers
+    from strata.client.sidecar_client import SidecarClient
+    from strata.tiers.ram import RamTier
+
+    config = _one_node_with_a_lost_peer(shm_dir, tmp_path)
+    gone = SidecarClient(tmp_path / "no-sidecar.sock")  # nothing listens: the probe fails
+    tiers = RestoreTiers(
+        config, RamTier(shm_dir / "node0"), "w", partial(peer_source, gone, config)
+    )
+    assert [t.name for t in tiers.get()] == ["ram"]
+    assert len(tiers.notes) == 1, tiers.notes
+    assert tiers.notes[0].startswith("peer: not searched: the sidecar did not say"), tiers.notes
+    assert "no-sidecar.sock" in tiers.notes[0], tiers.notes
+
+
+def _erasure_coded_job(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Callable[..., SidecarProcess]
+) -> tuple[StrataConfig, Path]:
+    """Four nodes save step 130 at four ranks, erasure coded (RS(2, 1): groups of two, one
+    parity unit each on another node); node 1 is lost with its RAM and comes back empty, so
+    rank 1's shard exists only as parity. Returns the replacement's config and the temporary
+    directory its sidecar rebuilds shards into (its TMPDIR)."""
+    ca = make_ca()
+    ids = [f"worker-{i}" for i in range(NODES)]
+    ports = [free_port() for _ in ids]
+    peers = [{"id": p, "address": f"127.0.0.1:{port}"} for p, port in zip(ids, ports, strict=True)]
+
+    def config(i: int) -> StrataConfig:
+        tls, _ = job_tls(tmp_path / f"tls-{i}-{time.monotonic_ns()}", JOB, ca)
+        return StrataConfig.parse(
+            {
+                "job_id": JOB,
+                "ram": {"path": str(shm_dir / f"node{i}"), "keep": 1},
+                "metrics_port": free_port(),
+                "metrics_host": "127.0.0.1",
+                "namespace": "team",
+                "pod_name": ids[i],
+                "node_name": f"node-{i}",
+                "peers": {
+                    "mode": "erasure",
+                    "data_shards": 2,
+                    "parity_shards": 1,
+                    "self_id": ids[i],
+                    "peers": peers,
+                    "listen_host": "127.0.0.1",
+                    "port": ports[i],
+                    "tls": tls.model_dump(),
+                    "poll_seconds": 0.2,
+                },
+            }
+        )
+
+    configs = [config(i) for i in range(NODES)]
+    sidecars = [sidecar_proc(c) for c in configs]
+    run_job("save", configs, tmp_path / "save")
+    stores = [PeerStore(shm_dir / f"node{i}", JOB) for i in range(NODES)]
+    deadline = time.monotonic() + 120
+    while not all(STEP in s.parity_steps() for s in stores):
+        assert time.monotonic() < deadline, [s.logs()[-2000:] for s in sidecars]
+        time.sleep(0.1)
+    sidecars[1].kill()
+    shutil.rmtree(shm_dir / "node1")
+    rebuilt = tmp_path / "sidecar-1-tmp"
+    rebuilt.mkdir()
+    return sidecar_proc(config(1), TMPDIR=str(rebuilt)).config, rebuilt
+
+
+def test_a_resized_job_reshards_from_erasure_coded_peers_rebuilding_the_lost_shard(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Callable[..., SidecarProcess]
+) -> None:
+    """The job restarts at two ranks, both on the replacement of the lost node 1: they reshard
+    step 130 from the peers, rank 1's shard rebuilt from parity by their sidecar and read by
+    ranges through its local API; every tensor as saved, and no rebuilt copy left behind."""
+    replacement, rebuilt = _erasure_coded_job(shm_dir, tmp_path, sidecar_proc)
+    got = run_job("restore", [replacement, replacement], tmp_path / "restore")
+    assert_resharded_from_peer(got)
+    assert not list(rebuilt.glob("strata-range-*")), list(rebuilt.iterdir())
+    print("4 -> 2 from parity: bytes fetched over the local API, needed, ratio:", ratios(got))
+
+
+def test_one_rank_closing_keeps_a_rebuilt_shard_another_rank_of_its_node_reads(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Callable[..., SidecarProcess]
+) -> None:
+    """Two ranks of one node (two peer sources on one sidecar) read the shard their sidecar
+    rebuilt from parity: it is rebuilt once; the first closing leaves it to the second, which
+    reads on without a rebuild; the last closing removes it."""
+    from strata.client.peer_source import PeerSource
+    from strata.client.sidecar_client import SidecarClient
+    from strata.tiers.references import chunk_span, read_logical
+
+    replacement, rebuilt = _erasure_coded_job(shm_dir, tmp_path, sidecar_proc)
+    client = SidecarClient(replacement.socket)
+    info = client.peer_info()
+    assert info is not None and info.enabled
+    first, second = (PeerSource(client, JOB, info.max_range) for _ in range(2))
+    assert STEP in first.list_steps(JOB) and 1 in first.list_steps(JOB)[STEP].committed_ranks
+    m = first.get_manifest(JOB, STEP, 1)
+    n = m.data_nbytes
+
+    def read(source: PeerSource, lo: int, hi: int) -> None:
+        # verified against the manifest's CRC32Cs: the bytes rank 1 saved
+        lo, hi = chunk_span(m, lo, hi - lo)
+        assert len(read_logical(source, JOB, STEP, 1, m, lo, hi)) == hi - lo
+
+    read(first, 0, n // 2)
+    copies = list(rebuilt.glob("strata-range-*"))
+    assert len(copies) == 1, copies  # rebuilt whole, once
+    read(second, n // 2, n)
+    read(first, n - 1, n)
+    assert list(rebuilt.glob("strata-range-*")) == copies  # the same copy serves both ranks
+    first.drop_fetched()  # the first rank's reader closes
+    assert list(rebuilt.glob("strata-range-*")) == copies, "removed under the second rank"
+    read(second, 0, n)
+    assert list(rebuilt.glob("strata-range-*")) == copies  # not rebuilt
+    second.drop_fetched()  # the last reader of the node closes: the copy goes
+    assert not list(rebuilt.glob("strata-range-*"))
+    read(second, 0, 1)  # and a later read rebuilds it
+    assert len(list(rebuilt.glob("strata-range-*"))) == 1
+    second.drop_fetched()
+    assert not list(rebuilt.glob("strata-range-*"))

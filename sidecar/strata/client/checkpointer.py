@@ -150,7 +150,7 @@ class Checkpointer:
             keep=self.config.ram.keep,
             verify_threads=min(4, os.cpu_count() or 1),
         )
-        peer: Callable[[], Tier | None] | None = None
+        peer: Callable[[Callable[[str], None]], Tier | None] | None = None
         self._sidecar_watch: SidecarWatch | None = None
         if slot_provider is None and stager is None:
             # A ready sidecar on the local socket serves slots and staging (strata.sidecar).

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -54,8 +55,12 @@ class PeerSource(Tier):
         self.job_id = job_id
         self.max_range = max_range
         self.nbytes_fetched = 0
+        self.reader = f"{os.getpid()}-{uuid.uuid4().hex}"
+        """This source's id in its range requests and drops: the sidecar keeps the shards it
+        rebuilt for ranged reads until every source reading them dropped them."""
         self.notes: list[str] = []
-        """The sidecar's notes from the last listing (peers unreachable, beyond tolerance)."""
+        """The sidecar's notes from the last listing (peers unreachable, beyond tolerance),
+        each starting ``peer``; a restore adds them to its notes (``RestoreResult.skipped``)."""
 
     def __repr__(self) -> str:
         return f"PeerSource({self.client.socket_path!r})"
@@ -66,7 +71,7 @@ class PeerSource(Tier):
         """What the peers hold, by step (one request; the sidecar asks every peer). Raises
         :class:`TierError` (ShardUnavailable when the sidecar has no peer tier any more)."""
         reply = self.client.peer_steps(job_id)
-        self.notes = list(reply.notes)
+        self.notes = [n if n.startswith("peer") else f"peer: {n}" for n in reply.notes]
         return {
             s.step: StepListing(s.step, frozenset(s.committed_ranks), world_size=s.world_size)
             for s in reply.steps
@@ -90,7 +95,9 @@ class PeerSource(Tier):
         done = 0
         while done < nbytes:
             want = min(self.max_range, nbytes - done)
-            read = partial(self.client.peer_range, job_id, step, rank, offset + done, want)
+            read = partial(
+                self.client.peer_range, job_id, step, rank, offset + done, want, self.reader
+            )
             piece = self._unless_gone(read, step, rank)
             parts.append(piece)
             done += len(piece)
@@ -128,9 +135,10 @@ class PeerSource(Tier):
         return m
 
     def drop_fetched(self) -> None:
-        """Let the sidecar remove the shards it rebuilt whole (from parity) for ranged reads
-        (best effort)."""
-        self.client.peer_drop(self.job_id)
+        """This source is done with the shards the sidecar rebuilt whole (from parity) for its
+        ranged reads: the sidecar removes them once no other source of the node (another rank)
+        still reads them (best effort)."""
+        self.client.peer_drop(self.job_id, self.reader)
 
     def _unless_gone(self, call: Callable[[], bytes], step: int, rank: int) -> bytes:
         try:
@@ -162,20 +170,31 @@ class PeerSource(Tier):
         log.warning("peer copy of step %d rank %d rejected: %s", step, rank, reason)
 
 
-def peer_source(client: SidecarClient, config: StrataConfig) -> PeerSource | None:
+def peer_source(
+    client: SidecarClient, config: StrataConfig, note: Callable[[str], None] | None = None
+) -> PeerSource | None:
     """The peer tier through ``client`` when ``config`` turns peers on and the sidecar has a
     peer tier; None otherwise (no peers configured, a sidecar without one or of an older
-    version, or one that does not answer: logged, never raised)."""
+    version, or one that does not answer: logged, never raised). ``note``: told why a
+    configured peer tier is not searched (for the restore's notes, ``RestoreResult.skipped``)."""
     if config.peers is None:
         return None
     try:
         info = client.peer_info()
     except TierError as exc:
-        log.warning(
-            "strata: peer tier not searched: the sidecar did not say whether it has one: %s", exc
-        )
+        why = f"peer: not searched: the sidecar did not say whether it has a peer tier: {exc}"
+        log.warning("strata: %s", why)
+        if note is not None:
+            note(why)
         return None
     if info is None or not info.enabled:
-        log.info("strata: the sidecar on %s serves no peer tier", client.socket_path)
+        why = (
+            f"peer: not searched: peers are configured but the sidecar on {client.socket_path} "
+            "serves no peer tier (a sidecar of an older version, or one started without the "
+            "peers' configuration)"
+        )
+        log.info("strata: %s", why)
+        if note is not None:
+            note(why)
         return None
     return PeerSource(client, config.job_id, info.max_range)

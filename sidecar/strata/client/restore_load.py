@@ -43,16 +43,18 @@ log = logging.getLogger("strata.client")
 class RestoreTiers:
     """The tiers a restore of ``config``'s job reads, in restore order (RAM first), built on
     the first call of :meth:`get` (``writer_id`` stamped on what they write). ``notes``: why a
-    tier was left out (a GCS tier without credentials or client library). ``peer``: builds the
-    peer source on that first call (:func:`strata.client.peer_source.peer_source`, None when
-    there is none: the peers are reached through a sidecar only)."""
+    tier was left out (a GCS tier without credentials or client library, a peer tier the
+    sidecar could not be asked about). ``peer``: builds the peer source on that first call,
+    given a callback for such a note (:func:`strata.client.peer_source.peer_source`, None when
+    there is none: the peers are reached through a sidecar only); :meth:`listing_notes` gives
+    what it said about the peers when last listed."""
 
     def __init__(
         self,
         config: StrataConfig,
         ram: RamTier,
         writer_id: str,
-        peer: Callable[[], Tier | None] | None = None,
+        peer: Callable[[Callable[[str], None]], Tier | None] | None = None,
     ) -> None:
         self.config = config
         self.ram = ram
@@ -60,6 +62,7 @@ class RestoreTiers:
         self.peer = peer
         self.notes: list[str] = []
         self._tiers: list[Tier] | None = None
+        self._peer: Tier | None = None
 
     def get(self) -> list[Tier]:
         if self._tiers is None:
@@ -74,9 +77,15 @@ class RestoreTiers:
             durable = durable_tiers(
                 self.config, writer_id=self.writer_id, on_gcs_error=leave_out_gcs
             )
-            peer = self.peer() if self.peer is not None else None
-            self._tiers = in_restore_order(self.config, self.ram, durable, peer)
+            self._peer = self.peer(self.notes.append) if self.peer is not None else None
+            self._tiers = in_restore_order(self.config, self.ram, durable, self._peer)
         return self._tiers
+
+    def listing_notes(self) -> list[str]:
+        """What the peer source's last listing said (peers unreachable, ranks beyond the
+        parity's tolerance: :attr:`strata.client.peer_source.PeerSource.notes`); [] without
+        one or before it was listed."""
+        return list(getattr(self._peer, "notes", ()))
 
 
 class SlotBuffers(Protocol):

@@ -169,6 +169,8 @@ class Restorer:
                 "torch.distributed.init_process_group() before restore()"
             )
         cand = self._reshard_choice(step, notes)
+        # the reshard sources were listed: what the peers' listing said (unreachable peers)
+        notes.add_new(self.tiers.listing_notes())
         for _ in range(MAX_ROUNDS):
             inv = self.stager.inventory(self.job_id, self.rank, self.world_size)
             invs, proposed = self.phases.exchange_inventories(inv, proposal)

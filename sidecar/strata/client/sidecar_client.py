@@ -310,15 +310,17 @@ class SidecarClient:
         body = self._peer_ok(status, data, f"peer manifest of step {step} rank {rank}")
         return parse_reply(protocol.PeerManifestReply, body, self.socket_path).manifest.encode()
 
-    def peer_range(self, job_id: str, step: int, rank: int, offset: int, length: int) -> bytes:
+    def peer_range(
+        self, job_id: str, step: int, rank: int, offset: int, length: int, reader: str = ""
+    ) -> bytes:
         """``POST /v1/peer/range``: at most ``length`` bytes (no more than
         :attr:`PeerInfoReply.max_range`) of a peer copy's stored data object from byte
         ``offset``, unverified; fewer only where the object ends. Raises
         :class:`ShardUnavailable` when no peer serves it, :class:`SidecarUnavailable` (no
         answer, or a reply cut short), :class:`TierError` or :class:`ProtocolError` (a reply
-        longer than asked)."""
+        longer than asked). ``reader``: the reading source's id (:meth:`peer_drop`)."""
         request = protocol.PeerRangeRequest(
-            job_id=job_id, step=step, rank=rank, offset=offset, length=length
+            job_id=job_id, step=step, rank=rank, offset=offset, length=length, reader=reader
         )
         conn = UnixHTTPConnection(self.socket_path, timeout=self.stage_timeout)
         try:
@@ -357,11 +359,13 @@ class SidecarClient:
             "not bytes; the trainer's and the sidecar's Strata versions must match"
         )
 
-    def peer_drop(self, job_id: str) -> None:
-        """``POST /v1/peer/drop``: the sidecar may remove the shards it rebuilt whole (from
-        erasure-coded parity) to serve ranged reads. Best effort: never raises."""
+    def peer_drop(self, job_id: str, reader: str = "") -> None:
+        """``POST /v1/peer/drop``: ``reader`` (the id its :meth:`peer_range` calls named) is done
+        with the shards the sidecar rebuilt whole (from erasure-coded parity) to serve ranged
+        reads; the sidecar removes them once no other reader of the node uses them (``""``:
+        now). Best effort: never raises."""
         try:
-            self.call(*protocol.PEER_DROP, protocol.JobRequest(job_id=job_id))
+            self.call(*protocol.PEER_DROP, protocol.PeerDropRequest(job_id=job_id, reader=reader))
         except SidecarUnavailable as exc:
             log.debug("peer drop not delivered: %s", exc)
 

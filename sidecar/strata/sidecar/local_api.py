@@ -47,6 +47,10 @@ from strata.tiers.slots import LocalSlotProvider, slot_size_for
 
 log = logging.getLogger("strata.sidecar.api")
 
+READER_IDLE_SECONDS = 600.0
+"""A peer reader silent this long no longer keeps rebuilt shards (its trainer died without
+dropping them: :meth:`LocalApi.peer_drop`)."""
+
 
 def _parse(model: type[wire.M], request: dict[str, Any]) -> wire.M:
     """The request as its :mod:`strata.protocol` message; 400 ``bad_request`` naming the field."""
@@ -85,6 +89,12 @@ class LocalApi:
         self.flush_estimate = flush_estimate
         self._alloc_lock = threading.Lock()
         self._stage_locks: dict[int, threading.Lock] = {}
+        self._peer_readers: dict[str, float] = {}
+        """Peer readers (PeerRangeRequest.reader) -> when last seen (monotonic seconds), since
+        the rebuilt shards were last removed (:meth:`peer_drop`)."""
+        self._peer_readers_lock = threading.Lock()
+        """Guards ``_peer_readers`` and the removal of rebuilt shards (no read registers while
+        they are being removed)."""
 
     def routes(self) -> Routes:
         routes = Routes()
@@ -354,16 +364,35 @@ class LocalApi:
                 "request serves (GET /v1/peer: max_range); ask in pieces",
             )
         tier = self._peer_tier()
+        if msg.reader:
+            with self._peer_readers_lock:
+                self._peer_readers[msg.reader] = time.monotonic()
         try:
             return tier.read_range(job, msg.step, msg.rank, msg.offset, msg.length)
         except TierError as exc:
             raise _peer_error(exc) from None
 
     def peer_drop(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Remove the shards the peer tier rebuilt whole to serve ranged reads (a reader
-        closed; another reader still using one rebuilds it on its next read)."""
+        """A reader is done: remove the shards the peer tier rebuilt whole to serve ranged reads
+        once no other reader of this node still uses them (every reader that read since the
+        last removal dropped, or was silent for :data:`READER_IDLE_SECONDS`: a trainer that
+        died without dropping). A drop naming no reader (an older client) removes them now."""
         self._job(request)
-        self._peer_tier().drop_fetched()
+        msg = _parse(wire.PeerDropRequest, request)
+        tier = self._peer_tier()
+        with self._peer_readers_lock:
+            readers = self._peer_readers
+            readers.pop(msg.reader, None)
+            idle = time.monotonic() - READER_IDLE_SECONDS
+            for reader in [r for r, seen in readers.items() if seen < idle]:
+                del readers[reader]
+            if msg.reader and readers:
+                log.info(
+                    "peer drop by %s deferred: %d readers still read", msg.reader, len(readers)
+                )
+            else:
+                readers.clear()
+                tier.drop_fetched()
         return 200, wire.ReportReply(accepted=True).model_dump(mode="json")
 
 
