@@ -28,7 +28,7 @@ venv: $(STAMP) ## create .venv and install strata with all extras
 demo: $(STAMP) ## the main job: train a small LM, checkpoint through RAM -> PVC -> GCS, recover from each tier
 	$(BIN)/python -m strata.demo $(DEMO_ARGS)
 
-demo-cluster: $(STAMP) tools images ## the Kubernetes half: the chart-installed operator on a real local node, RAM and PVC recoveries of real pods (root)
+demo-cluster: $(STAMP) tools images ## the Kubernetes half: the chart-installed operator on a real local node, RAM, PVC and GCS recoveries of real pods (root)
 	$(BIN)/python -m e2e.demo_cluster
 
 check: $(STAMP) ## the inner loop (under a minute warm): ruff, format check, mypy, import contracts, unit tests

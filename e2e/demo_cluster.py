@@ -3,20 +3,23 @@ its chart.
 
 `e2e.node.stack.OperatorPodStack` brings up a local control plane, a real kubelet + containerd
 node and ``helm install`` of ``charts/strata`` with the operator image built by ``make images``;
-then, in namespace ``demo``, a CheckpointPolicy (RAM every 2 steps, PVC every 4, a hostPath PV)
-and one training pod (``e2e/small_trainer.py`` in the trainer image, torch from the host) that
-the operator pod's webhook injects with the checkpoint sidecar:
+then, in namespace ``demo``, a fake-gcs-server on the node's bridge gateway (the pods' way to it:
+``tiers.gcs.endpoint``), a CheckpointPolicy (RAM every 2 steps, PVC every 4, GCS every 8, a
+hostPath PV) and one training pod (``e2e/small_trainer.py`` in the trainer image, torch from the
+host) that the operator pod's webhook injects with the checkpoint sidecar:
 
 1. **ram**: the trainer's process is SIGKILLed; the kubelet restarts the container, and it
    restores the newest step saved from the pod's RAM tier (a ``medium: Memory`` emptyDir);
 2. **pvc**: the pod is deleted (its RAM goes with it; the sidecar flushes the newest step to the
-   PVC on SIGTERM); a replacement pod of the same run restores that step from the PVC.
+   PVC on SIGTERM); a replacement pod of the same run restores that step from the PVC;
+3. **gcs**: that pod is deleted too and the PVC's contents are wiped (RAM and PVC lost); the next
+   replacement restores the newest complete step in the bucket.
 
 Each restore is checked against what the trainer saved (step and sha256 of the weights), and
 the operator pod's view is shown: the restore folded into the policy's ``status.jobs[]`` from
 the sidecar's reports. Prints a table; exit status 0 only when every check held. Everything is
-torn down at the end (nothing is left on the machine). No GCS tier here: the injected sidecar
-has no route to an emulator (``make demo`` covers the GCS recovery and the loss plot).
+torn down at the end (nothing is left on the machine). No loss plot here: the test trainer
+trains nothing worth plotting (``make demo`` has the plot).
 
 Usage: ``python -m e2e.demo_cluster`` (root; ``make tools images`` first).
 """
@@ -24,7 +27,9 @@ Usage: ``python -m e2e.demo_cluster`` (root; ``make tools images`` first).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -47,9 +52,15 @@ from e2e.node.story import (
     wait_restored_event,
     wait_running,
 )
+from strata.config import GcsTierConfig
+from strata.testing.emulator import FakeGcsServer
+from strata.tiers.gcs import GcsTier
 from strata_operator.constants import POLICY_LABEL
 
 POLICY = "demo"
+BUCKET = "strata-demo"
+GCS_EVERY = 2 * PVC_EVERY
+EXPECTED_TIERS = ["ram", "pvc", "gcs"]
 
 
 @dataclass
@@ -74,13 +85,56 @@ def _pod(stack: OperatorPodStack, name: str, run_id: str, steps: int) -> dict[st
     return pod
 
 
+def demo_policy(gcs_endpoint: str) -> dict[str, Any]:
+    """The stories' policy (`checkpoint_policy`) plus the GCS tier: bucket `BUCKET` behind
+    ``gcs_endpoint``, every `GCS_EVERY` steps, keep 2."""
+    policy = checkpoint_policy(POLICY)
+    policy["spec"]["tiers"]["gcs"] = {
+        "bucket": BUCKET,
+        "endpoint": gcs_endpoint,
+        "every": {"steps": GCS_EVERY},
+        "keep": 2,
+    }
+    return policy
+
+
 def run_story(stack: OperatorPodStack, ns: str, pvc_dir: Path, log: Any = print) -> list[Recovery]:
-    """The story in namespace ``ns`` (created here) with the PV at ``pvc_dir``; returns the
+    """The story in namespace ``ns`` (created here) with the PV at ``pvc_dir`` and a
+    fake-gcs-server of its own on the bridge gateway (stopped on return); returns the
     recoveries in order. Raises AssertionError when a check fails."""
+    with FakeGcsServer(host=stack.node.gateway) as gcs:
+        gcs.client(project="demo").create_bucket(BUCKET)
+        log(f"[demo-cluster] fake-gcs-server at {gcs.endpoint} (the pods reach it on the bridge)")
+        return _story(stack, ns, pvc_dir, gcs, log)
+
+
+def newest_gcs_step(gcs: FakeGcsServer, job_id: str) -> int | None:
+    """The newest step of ``job_id`` whose every rank is committed in the bucket."""
+    config = GcsTierConfig(bucket=BUCKET, endpoint=gcs.endpoint)
+    with GcsTier(config, writer_id="demo-cluster", retry_timeout=30.0) as tier:
+        return tier.newest_complete_step(job_id)
+
+
+def _conditions(stack: OperatorPodStack, ns: str) -> dict[str, str]:
+    obj = stack.kubectl_json("-n", ns, "get", "checkpointpolicy", POLICY)
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return {c["type"]: c["status"] for c in conditions if c["type"] in ("Ready", "Degraded")}
+
+
+def _story(
+    stack: OperatorPodStack, ns: str, pvc_dir: Path, gcs: FakeGcsServer, log: Any
+) -> list[Recovery]:
     cluster = stack.cluster
     stack.create_namespace(ns)
     setup_pvc(cluster, ns, pvc_dir)
-    cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(checkpoint_policy(POLICY)))
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(demo_policy(gcs.endpoint)))
+    # The operator pod checks the bucket where the sidecar will write (tiers.gcs.endpoint):
+    # Degraded False only once that check answered "ok".
+    wait_for(
+        "the policy Ready and not Degraded (the operator pod found the bucket at the endpoint)",
+        lambda: _conditions(stack, ns) == {"Ready": "True", "Degraded": "False"},
+        timeout=120,
+    )
     run_id = f"{ns}.charlm-{uuid.uuid4().hex[:4]}"
     out: list[Recovery] = []
 
@@ -138,6 +192,45 @@ def run_story(stack: OperatorPodStack, ns: str, pvc_dir: Path, log: Any = print)
             wait_restore_folded(stack, ns, POLICY, run_id, restored["step"]),
         )
     )
+
+    # --- 3. that pod deleted and the PVC wiped (RAM and PVC lost): restored from GCS
+    after = restored["step"]
+    wait_for(
+        "a GCS step saved after the PVC restore",
+        lambda: (newest_gcs_step(gcs, run_id) or 0) > after,
+        timeout=300,
+    )
+    log("[demo-cluster] deleting the replacement pod, then wiping the PVC")
+    deleted = delete_pod_keeping_saves(cluster, ns, "train-1")
+    by_step.update(deleted.saved)
+    for child in pvc_dir.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    expected = newest_gcs_step(gcs, run_id)
+    assert expected is not None and expected > after, (expected, after)
+    log(f"[demo-cluster] the bucket's newest complete step: {expected}; creating the next pod")
+    cluster.kubectl(
+        "-n", ns, "create", "-f", "-", input=json.dumps(_pod(stack, "train-2", run_id, 2000))
+    )
+    wait_running(cluster, ns, "train-2")
+    restored = wait_restored_event(cluster, ns, "train-2", "the GCS restore's restored event")
+    assert restored["tier"] == "gcs", restored
+    assert restored["step"] == expected, (restored, expected)
+    out.append(
+        Recovery(
+            "pod deleted, PVC wiped (RAM and PVC lost)",
+            restored["tier"],
+            restored["step"],
+            float(restored["seconds"]),
+            time.monotonic() - deleted.asked_at,
+            restored["weights_sha256"] == by_step.get(expected),
+            wait_restore_folded(stack, ns, POLICY, run_id, restored["step"]),
+        )
+    )
+    with contextlib.suppress(Exception):  # its trainer would keep a core busy afterwards
+        cluster.kubectl("-n", ns, "delete", "pod", "train-2", "--wait=false", check=False)
     return out
 
 
@@ -158,7 +251,7 @@ def table(recoveries: list[Recovery]) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
     )
 
 
@@ -197,10 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo-cluster] up: {took}; operator pod {stack.operator_pod['metadata']['name']}")
         try:
             recoveries = run_story(stack, "demo", Path(tmp) / "pvc")
-            ok = all(r.bytes_match for r in recoveries) and [r.tier for r in recoveries] == [
-                "ram",
-                "pvc",
-            ]
+            ok = (
+                all(r.bytes_match for r in recoveries)
+                and [r.tier for r in recoveries] == EXPECTED_TIERS
+            )
         except AssertionError as exc:
             print(f"[demo-cluster] FAILED: {exc}", file=sys.stderr)
             recoveries, ok = [], False

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import REAL_NODE_NAME, Binaries
-from e2e.demo_cluster import run_story, table
+from e2e.demo_cluster import EXPECTED_TIERS, run_story, table
 from e2e.node.fixtures import strata_images, unavailable  # noqa: F401 - fixture
 from e2e.node.harness import NodeUnavailable, missing_prerequisites
 from e2e.node.images import BuiltImage
@@ -194,11 +194,13 @@ def test_make_demo_cluster_story(
     stack: OperatorPodStack, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """`make demo-cluster`'s story (`e2e.demo_cluster.run_story`) on this module's stack: the
-    SIGKILLed trainer restores from RAM, the deleted pod's replacement from the PVC, each with
-    the bytes saved, each restore folded into the policy status by the operator pod."""
+    SIGKILLed trainer restores from RAM, the deleted pod's replacement from the PVC, and once
+    that pod is deleted and the PVC wiped, the next one from the bucket behind the policy's
+    ``tiers.gcs.endpoint``; each with the bytes saved, each restore folded into the policy
+    status by the operator pod."""
     ns = f"demo-{uuid.uuid4().hex[:6]}"
     recoveries = run_story(stack, ns, tmp_path / "pvc", log=lambda _msg: None)
-    assert [r.tier for r in recoveries] == ["ram", "pvc"], recoveries
+    assert [r.tier for r in recoveries] == EXPECTED_TIERS, recoveries
     for r in recoveries:
         assert r.bytes_match, r
         assert r.status["lastRestore"]["tier"] == r.tier, r

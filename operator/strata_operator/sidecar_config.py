@@ -83,6 +83,7 @@ def to_sidecar_config(
             every=_interval(tiers.gcs.every),
             components=_components(tiers.gcs),
             incremental=tiers.gcs.incremental,
+            endpoint=tiers.gcs.endpoint,
         )
     grace = termination_grace_seconds
     if grace is None:

@@ -127,6 +127,22 @@ def test_to_sidecar_config_maps_every_tier() -> None:
     assert StrataConfig.from_env(cfg.to_env()) == cfg
 
 
+@pytest.mark.parametrize(
+    "endpoint",
+    ["https://storage-psc1.p.googleapis.com", "http://10.0.0.5:4443", "http://localhost:8080"],
+)
+def test_a_gcs_endpoint_reaches_the_sidecar_config(endpoint: str) -> None:
+    spec = parse_spec(PolicyBuilder().gcs("my-ckpts", endpoint=endpoint).spec())
+    cfg = to_sidecar_config(spec, "ns.job")
+    assert cfg.gcs is not None and cfg.gcs.endpoint == endpoint
+    assert StrataConfig.from_env(cfg.to_env()).gcs == cfg.gcs
+
+
+def test_no_gcs_endpoint_leaves_the_sidecar_on_the_real_service() -> None:
+    cfg = to_sidecar_config(parse_spec(PolicyBuilder().gcs("my-ckpts").spec()), "ns.job")
+    assert cfg.gcs is not None and cfg.gcs.endpoint is None
+
+
 def test_to_sidecar_config_defaults_restore_order_to_configured_tiers() -> None:
     cfg = to_sidecar_config(parse_spec(PolicyBuilder().pvc().spec()), "ns.job")
     assert cfg.gcs is None

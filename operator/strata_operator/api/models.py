@@ -42,6 +42,7 @@ from strata_operator.api.validation import (
     REQUEST_NOT_ABOVE_LIMIT_RULE,
     BucketName,
     Duration,
+    GcsEndpoint,
     GcsPrefix,
     HostPath,
     ImageReference,
@@ -352,6 +353,11 @@ class GcsTierSpec(DurableTierSpec):
     keep: Annotated[int, Field(strict=True, ge=1, le=1000)] = 3
     """Complete steps kept in the bucket."""
     credentials: GcsCredentialsSpec = GcsCredentialsSpec()
+    endpoint: GcsEndpoint | None = None
+    """API endpoint of a GCS-compatible service, ``http[s]://host[:port]``: a Private Service
+    Connect endpoint (``https://storage-<name>.p.googleapis.com``), or an emulator
+    (``http://``: anonymous credentials, data in the clear: for tests and demos only). Used by
+    the sidecar and by the operator's bucket check. Unset: ``https://storage.googleapis.com``."""
 
 
 class TiersSpec(_Model):

@@ -457,6 +457,45 @@ GcsPrefix = Annotated[
     ),
 ]
 
+# --- GCS endpoint ------------------------------------------------------------------------------
+
+_LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+GCS_ENDPOINT_PATTERN: Final = rf"^https?://{_LABEL}([.]{_LABEL})*(:[0-9]{{1,5}})?$"
+"""``http[s]://host[:port]``: a DNS name or an IPv4 address; no path, query or credentials (the
+storage client appends its own paths). No backslash, so that it reads the same in CEL (RE2)."""
+MAX_GCS_ENDPOINT: Final = 270
+GCS_ENDPOINT_MESSAGE: Final = (
+    "tiers.gcs.endpoint must be http[s]://host[:port] with no path, e.g. "
+    "https://storage-myendpoint.p.googleapis.com (Private Service Connect) or "
+    "http://10.0.0.5:4443 (an emulator, anonymous); leave it unset for "
+    "https://storage.googleapis.com"
+)
+
+
+def check_gcs_endpoint(value: str) -> str:
+    """``value`` if it matches `GCS_ENDPOINT_PATTERN`; raises ValueError with
+    `GCS_ENDPOINT_MESSAGE` otherwise."""
+    if len(value) > MAX_GCS_ENDPOINT or not re.match(GCS_ENDPOINT_PATTERN, value):
+        raise ValueError(f"{GCS_ENDPOINT_MESSAGE} (got {value!r})")
+    return value
+
+
+GcsEndpoint = Annotated[
+    str,
+    AfterValidator(check_gcs_endpoint),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "maxLength": MAX_GCS_ENDPOINT,
+            "x-kubernetes-validations": [
+                {"rule": f"self.matches('{GCS_ENDPOINT_PATTERN}')", "message": GCS_ENDPOINT_MESSAGE}
+            ],
+        }
+    ),
+]
+"""The API endpoint of a GCS-compatible service (see `GCS_ENDPOINT_PATTERN`)."""
+
+
 # --- image references -------------------------------------------------------------------------
 
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"

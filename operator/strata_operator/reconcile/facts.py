@@ -6,8 +6,8 @@ Rule: the effect half of :mod:`strata_operator.reconcile.policy`; every read bec
 (:class:`~strata_operator.reconcile.policy.ApiUnavailable`). It decides nothing.
 
 GCS reachability: checked with the operator's own credentials when it has any (Application
-Default Credentials), with anonymous credentials against ``STORAGE_EMULATOR_HOST`` when that is
-set (fake-gcs-server), and with the policy's service-account key when ``credentials.type`` is
+Default Credentials), with anonymous credentials against an emulator (an ``http://``
+``tiers.gcs.endpoint``, else ``STORAGE_EMULATOR_HOST``: fake-gcs-server), and with the policy's service-account key when ``credentials.type`` is
 SecretRef. Without credentials the check is skipped and the Degraded condition says so: under
 workload identity the training pods' identity, not the operator's, holds the bucket permission.
 """
@@ -132,9 +132,10 @@ def check_bucket_reachable(
 ) -> BucketFact:
     """Ask GCS for the bucket's metadata (``storage.buckets.get``); never raises.
 
-    Credentials, in order: anonymous when ``STORAGE_EMULATOR_HOST`` is set; the policy's
-    service-account key (SecretRef); the operator's Application Default Credentials; none ->
-    ``not-checked``.
+    Endpoint: the policy's ``tiers.gcs.endpoint``, else ``STORAGE_EMULATOR_HOST``, else the real
+    service (the sidecar resolves it the same way). Credentials, in order: anonymous when the
+    endpoint is an emulator (``http://``); the policy's service-account key (SecretRef); the
+    operator's Application Default Credentials; none -> ``not-checked``.
     """
     try:
         from google.api_core import exceptions as gexc
@@ -144,7 +145,10 @@ def check_bucket_reachable(
         return BucketFact("not-checked", "google-cloud-storage is not installed in the operator")
     credentials: Any
     project: str | None = None
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
+    endpoint = gcs.endpoint or os.environ.get("STORAGE_EMULATOR_HOST") or None
+    if endpoint and "://" not in endpoint:
+        endpoint = f"http://{endpoint}"
+    if endpoint and endpoint.startswith("http://"):
         credentials, project = AnonymousCredentials(), "strata-emulator"  # type: ignore[no-untyped-call]
     elif secret is not None and secret.key_json:
         try:
@@ -170,7 +174,11 @@ def check_bucket_reachable(
                 "pods, not the operator, access to the bucket)",
             )
     try:
-        client = storage.Client(project=project, credentials=credentials)
+        client = storage.Client(
+            project=project,
+            credentials=credentials,
+            client_options={"api_endpoint": endpoint} if endpoint else None,
+        )
         client.bucket(gcs.bucket).reload(timeout=timeout, retry=None)
     except gexc.NotFound as exc:
         return BucketFact("not-found", str(exc.message))
