@@ -174,27 +174,22 @@ def _story(
     by_step = deleted.saved
     newest = max(by_step)
     log("[demo-cluster] creating the replacement pod")
-    cluster.kubectl(
-        "-n", ns, "create", "-f", "-", input=json.dumps(_pod(stack, "train-1", run_id, 2000))
-    )
-    wait_running(cluster, ns, "train-1")
-    restored = wait_restored_event(cluster, ns, "train-1", "the replacement's restored event")
-    assert restored["tier"] == "pvc", restored
-    assert restored["step"] == newest, (restored, sorted(by_step))
     out.append(
-        Recovery(
+        _replacement_restores(
+            stack,
+            ns,
+            "train-1",
+            run_id,
+            "pvc",
+            newest,
+            by_step,
+            deleted.asked_at,
             "pod deleted (RAM lost)",
-            restored["tier"],
-            restored["step"],
-            float(restored["seconds"]),
-            time.monotonic() - deleted.asked_at,
-            restored["weights_sha256"] == by_step[newest],
-            wait_restore_folded(stack, ns, POLICY, run_id, restored["step"]),
         )
     )
 
     # --- 3. that pod deleted and the PVC wiped (RAM and PVC lost): restored from GCS
-    after = restored["step"]
+    after = out[-1].step
     wait_for(
         "a GCS step saved after the PVC restore",
         lambda: (newest_gcs_step(gcs, run_id) or 0) > after,
@@ -211,27 +206,52 @@ def _story(
     expected = newest_gcs_step(gcs, run_id)
     assert expected is not None and expected > after, (expected, after)
     log(f"[demo-cluster] the bucket's newest complete step: {expected}; creating the next pod")
-    cluster.kubectl(
-        "-n", ns, "create", "-f", "-", input=json.dumps(_pod(stack, "train-2", run_id, 2000))
-    )
-    wait_running(cluster, ns, "train-2")
-    restored = wait_restored_event(cluster, ns, "train-2", "the GCS restore's restored event")
-    assert restored["tier"] == "gcs", restored
-    assert restored["step"] == expected, (restored, expected)
     out.append(
-        Recovery(
+        _replacement_restores(
+            stack,
+            ns,
+            "train-2",
+            run_id,
+            "gcs",
+            expected,
+            by_step,
+            deleted.asked_at,
             "pod deleted, PVC wiped (RAM and PVC lost)",
-            restored["tier"],
-            restored["step"],
-            float(restored["seconds"]),
-            time.monotonic() - deleted.asked_at,
-            restored["weights_sha256"] == by_step.get(expected),
-            wait_restore_folded(stack, ns, POLICY, run_id, restored["step"]),
         )
     )
     with contextlib.suppress(Exception):  # its trainer would keep a core busy afterwards
         cluster.kubectl("-n", ns, "delete", "pod", "train-2", "--wait=false", check=False)
     return out
+
+
+def _replacement_restores(
+    stack: OperatorPodStack,
+    ns: str,
+    pod: str,
+    run_id: str,
+    tier: str,
+    step: int,
+    saved: dict[int, str],
+    failed_at: float,
+    failure: str,
+) -> Recovery:
+    """Create ``pod`` of run ``run_id`` and check that it restores ``step`` from ``tier`` with
+    the weights ``saved`` at that step; the Recovery as the operator pod folded it."""
+    cluster = stack.cluster
+    cluster.kubectl("-n", ns, "create", "-f", "-", input=json.dumps(_pod(stack, pod, run_id, 2000)))
+    wait_running(cluster, ns, pod)
+    restored = wait_restored_event(cluster, ns, pod, f"{pod}'s restored event")
+    assert restored["tier"] == tier, restored
+    assert restored["step"] == step, (restored, sorted(saved))
+    return Recovery(
+        failure,
+        restored["tier"],
+        restored["step"],
+        float(restored["seconds"]),
+        time.monotonic() - failed_at,
+        restored["weights_sha256"] == saved.get(step),
+        wait_restore_folded(stack, ns, POLICY, run_id, restored["step"]),
+    )
 
 
 def table(recoveries: list[Recovery]) -> str:

@@ -173,12 +173,11 @@ class _Api:
         return SimpleNamespace(data=json.dumps(self.job).encode())
 
 
-def test_building_a_peer_list_does_not_hold_up_other_admissions(tmp_path: Path) -> None:
-    """While the peer list of a pod of a job too large to build inline is being built, another
-    pod is admitted (before, the build ran on the event loop: every other admission waited, up to
-    the webhook timeout)."""
+def _peer_state(tmp_path: Path, pods: int, *others: dict[str, Any]) -> webhook.WebhookState:
+    """A webhook state whose policy ``fast`` (namespace team-a) has peers, over an Indexed Job
+    ``train`` of ``pods`` pods; ``others``: more policies in its cache."""
     peer_policy = _peer_policy() | {"metadata": {"name": "fast", "namespace": "team-a"}}
-    fake = _Api(peer_policy, _job(webhook.INLINE_PEERS_MAX + 1))
+    fake = _Api(peer_policy, _job(pods))
     state = webhook.WebhookState(
         options=WebhookOptions(),
         injection=SETTINGS,
@@ -186,7 +185,15 @@ def test_building_a_peer_list_does_not_hold_up_other_admissions(tmp_path: Path) 
         custom_api=fake,
         batch_api=fake,
     )
-    state.policies.sync([peer_policy, policy_obj("plain")], None)
+    state.policies.sync([peer_policy, *others], None)
+    return state
+
+
+def test_building_a_peer_list_does_not_hold_up_other_admissions(tmp_path: Path) -> None:
+    """While the peer list of a pod of a job too large to build inline is being built, another
+    pod is admitted (before, the build ran on the event loop: every other admission waited, up to
+    the webhook timeout)."""
+    state = _peer_state(tmp_path, webhook.INLINE_PEERS_MAX + 1, policy_obj("plain"))
     other_admitted = threading.Event()
     seen: list[bool] = []
     started: dict[str, Any] = {}
@@ -228,16 +235,7 @@ def test_a_small_jobs_peer_build_stays_on_the_loop_a_large_ones_goes_to_a_thread
     """A small job's build (well under a millisecond) runs on the event loop: in a burst, the
     wait for a thread of the default executor cost far more than the build (handler p99 169-417
     ms against 17 ms inline, 512 pods in 8 JobSets). A large job's goes to a thread."""
-    peer_policy = _peer_policy() | {"metadata": {"name": "fast", "namespace": "team-a"}}
-    fake = _Api(peer_policy, _job(pods))
-    state = webhook.WebhookState(
-        options=WebhookOptions(),
-        injection=SETTINGS,
-        tls=certs.generate(tmp_path),
-        custom_api=fake,
-        batch_api=fake,
-    )
-    state.policies.sync([peer_policy], None)
+    state = _peer_state(tmp_path, pods)
     threads: list[threading.Thread] = []
 
     def recording_build(*args: Any) -> list[dict[str, Any]]:
