@@ -7,8 +7,8 @@ Rule: the effect half of :mod:`strata_operator.reconcile.policy`; every read bec
 
 GCS reachability: checked with the operator's own credentials when it has any (Application
 Default Credentials), with anonymous credentials against an emulator (an ``http://``
-``tiers.gcs.endpoint``, else ``STORAGE_EMULATOR_HOST``: fake-gcs-server), and with the policy's service-account key when ``credentials.type`` is
-SecretRef. Without credentials the check is skipped and the Degraded condition says so: under
+``tiers.gcs.endpoint``, else ``STORAGE_EMULATOR_HOST``: fake-gcs-server), and with the policy's
+service-account key when ``credentials.type`` is SecretRef. Without credentials the check is skipped and the Degraded condition says so: under
 workload identity the training pods' identity, not the operator's, holds the bucket permission.
 """
 
