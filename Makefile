@@ -108,7 +108,7 @@ scale: $(STAMP) tools ## scale check, not in `make test`: 1,000 kwok nodes, a 1,
 
 scale-large: $(STAMP) tools ## admission of the large jobs: a 20,000-pod Indexed Job, a 4,096-pod JobSet with spec.peers -> e2e/results/scale-{indexed-job,peers}.json
 	$(BIN)/python -m e2e.scale --workload indexed-job --pods 20000 --jobs 1 --nodes 200 --rounds 0 --dir .strata-run/scale-indexed-job --out e2e/results/scale-indexed-job.json
-	$(BIN)/python -m e2e.scale --workload jobset --peers --pods 4096 --jobs 16 --nodes 64 --rounds 0 --dir .strata-run/scale-peers --out e2e/results/scale-peers.json
+	$(BIN)/python -m e2e.scale --workload jobset --peers --pods 4096 --jobs 1 --nodes 64 --rounds 0 --dir .strata-run/scale-peers --out e2e/results/scale-peers.json
 
 scale-data: $(STAMP) ## data-plane scale simulation: tier requests per sidecar per step, W up to 16,384 -> bench/results/scale-data.json
 	$(BIN)/python -m bench.scale_data $(SCALE_DATA_ARGS)

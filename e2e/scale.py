@@ -29,9 +29,10 @@ Measured (all printed, and written as JSON to ``--out``, default e2e/results/sca
   after the last report (or the last admission with ``--rounds 0``): what the operator keeps.
 
 The large jobs (admission only, ``--rounds 0``): ``--workload indexed-job --pods 20000`` is one
-Indexed Job of 20,000 pods (no JobSet); ``--workload jobset --peers --pods 4096 --jobs 16`` is a
-JobSet of 4,096 pods under a policy with ``spec.peers`` (every pod's configuration carries the
-whole peer list, ``strata_operator.admission.peers.MAX_PEERS``). ``make scale`` runs the report run
+Indexed Job of 20,000 pods (no JobSet); ``--workload jobset --peers --pods 4096 --jobs 1`` is one
+JobSet of 4,096 pods under a policy with ``spec.peers``, the most the peer tier takes
+(``strata_operator.admission.peers.MAX_PEERS``; every pod's configuration carries the peers as
+name patterns, not as a list). ``make scale`` runs the report run
 and then both of these (``make scale-large`` only the latter).
 
 The figures depend on the machine and on whatever else runs on it; the JSON records the CPU

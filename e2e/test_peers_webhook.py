@@ -87,7 +87,7 @@ def test_jobset_pod_gets_peer_config_and_the_job_secret_exists(
     value = next(e["value"] for e in sidecar["env"] if e["name"] == "STRATA_CONFIG")
     peers = StrataConfig.from_env({"STRATA_CONFIG": value}).peers
     assert peers is not None and peers.copies == 1
-    assert [p.address for p in peers.peers] == [
+    assert [p.address for p in peers.members] == [
         f"llm-workers-{j}-{p}.llm.{k8s_namespace}.svc:8477" for j in range(2) for p in range(2)
     ]
     assert any(p.get("name") == "strata-peers" for p in sidecar["ports"])
@@ -152,7 +152,7 @@ def _peer_config(pod: dict[str, Any]) -> tuple[list[str], str]:
     peers = StrataConfig.from_env({"STRATA_CONFIG": value}).peers
     assert peers is not None
     volume = next(v for v in pod["spec"]["volumes"] if v["name"] == PEERS_TLS_VOLUME)
-    return [p.address for p in peers.peers], volume["secret"]["secretName"]
+    return [p.address for p in peers.members], volume["secret"]["secretName"]
 
 
 def _apiserver_requests(cluster: LocalCluster, verb: str, resource: str) -> dict[str, float]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from strata.config import (
     DEFAULT_PVC_DIR,
@@ -23,7 +23,7 @@ from strata.config import (
     RestoreConfig,
     StrataConfig,
 )
-from strata.peers.config import PeerEndpoint, PeersConfig
+from strata.peers.config import PeerRange, PeersConfig
 from strata_operator.api.models import CheckpointPolicySpec, DurableTierSpec, EverySpec, PeersSpec
 from strata_operator.api.validation import quantity_bytes
 
@@ -39,7 +39,7 @@ def to_sidecar_config(
     ram_path: str = DEFAULT_RAM_DIR,
     pvc_path: str = DEFAULT_PVC_DIR,
     termination_grace_seconds: float | None = None,
-    peers: Sequence[Mapping[str, str]] | None = None,
+    peer_ranges: Sequence[Mapping[str, Any]] | None = None,
 ) -> StrataConfig:
     """Map a policy spec to the sidecar/client contract (:class:`strata.config.StrataConfig`).
 
@@ -49,8 +49,8 @@ def to_sidecar_config(
     knows it; otherwise the policy's ``sidecar.terminationGracePeriodSeconds``, else 30.
     Pod identity (name, uid, node) comes from the downward API at run time, not from here.
 
-    ``peers``: the workload's ``[{id, address}]``
-    (:func:`strata_operator.admission.peers.workload_peers`), used when the policy has
+    ``peer_ranges``: the workload's pods as :class:`strata.peers.config.PeerRange` dicts
+    (:func:`strata_operator.admission.peers.workload_peer_ranges`), used when the policy has
     ``spec.peers``.
 
     Errors: pydantic ``ValidationError`` when ``job_id`` is not a valid job id.
@@ -104,7 +104,7 @@ def to_sidecar_config(
         metrics_port=spec.sidecar.ports.metrics,
         component_every=dict(spec.component_every) if spec.component_every else None,
         termination_grace_seconds=grace,
-        peers=_peers_config(spec.peers, peers or ()),
+        peers=_peers_config(spec.peers, peer_ranges or ()),
     )
 
 
@@ -116,7 +116,9 @@ def _components(tier: DurableTierSpec) -> tuple[str, ...] | None:
     return tuple(tier.components) if tier.components else None
 
 
-def _peers_config(spec: PeersSpec | None, peers: Sequence[Mapping[str, str]]) -> PeersConfig | None:
+def _peers_config(
+    spec: PeersSpec | None, ranges: Sequence[Mapping[str, Any]]
+) -> PeersConfig | None:
     if spec is None:
         return None
     return _cached_peers_config(
@@ -126,11 +128,11 @@ def _peers_config(spec: PeersSpec | None, peers: Sequence[Mapping[str, str]]) ->
         spec.parity_shards,
         spec.bandwidth,
         spec.port,
-        tuple((p["id"], p["address"]) for p in peers),
+        tuple((r["prefix"], r.get("groups"), r["count"], r["domain"], r["port"]) for r in ranges),
     )
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=64)
 def _cached_peers_config(
     mode: Literal["replicate", "erasure"],
     copies: int,
@@ -138,13 +140,12 @@ def _cached_peers_config(
     parity_shards: int,
     bandwidth: int,
     port: int,
-    peers: tuple[tuple[str, str], ...],
+    ranges: tuple[tuple[str, int | None, int, str, int], ...],
 ) -> PeersConfig:
-    """One validated (frozen) :class:`PeersConfig` per policy and peer list: every pod of a
-    workload carries the same one, and validating a model per peer for each pod of a burst was
-    half of an admission's CPU time (about 1.7 ms for 512 peers). Eight entries: the workloads
-    being admitted at once (a list of :data:`~strata_operator.admission.peers.MAX_PEERS` peers
-    holds about 2 MiB)."""
+    """One validated (frozen) :class:`PeersConfig` per policy and workload: every pod of a
+    workload carries the same one, and its validation walks the ranges' host names to check
+    them (O(pods)). What is kept is the ranges only (a few hundred bytes an entry: the operator
+    never expands :attr:`~strata.peers.config.PeersConfig.members`)."""
     return PeersConfig(
         mode=mode,
         copies=copies,
@@ -152,5 +153,7 @@ def _cached_peers_config(
         parity_shards=parity_shards,
         bandwidth_bytes_per_second=bandwidth,
         port=port,
-        peers=tuple(PeerEndpoint(id=i, address=a) for i, a in peers),
+        ranges=tuple(
+            PeerRange(prefix=p, groups=g, count=c, domain=d, port=pt) for p, g, c, d, pt in ranges
+        ),
     )

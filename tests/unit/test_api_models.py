@@ -194,24 +194,24 @@ def test_status_model_accepts_what_the_operator_and_receiver_write() -> None:
         api.CheckpointPolicyStatus.model_validate({"jobs": too_many})
 
 
-def test_every_pod_of_a_workload_shares_one_validated_peer_list() -> None:
-    """The peer list is validated once per policy and list, not once per pod (an admission
-    burst of a 512-pod job built 512 identical lists); a changed list or policy is new, and an
-    invalid peer is refused every time."""
+def test_every_pod_of_a_workload_shares_one_validated_peer_config() -> None:
+    """The peers are validated once per policy and workload, not once per pod (an admission
+    burst of a 512-pod job built 512 identical lists); a changed workload or policy is new, and
+    an invalid range is refused every time."""
     spec = parse_spec(PolicyBuilder().pvc().set("peers", {"mode": "replicate", "copies": 1}).spec())
-    peers = [{"id": f"w-{i}", "address": f"w-{i}.js.ns.svc:8470"} for i in range(4)]
-    one = to_sidecar_config(spec, "ns.job", peers=peers)
-    two = to_sidecar_config(spec, "ns.job", peers=[dict(p) for p in peers])
+    ranges = [{"prefix": "js-w-", "groups": 2, "count": 2, "domain": "js.ns.svc", "port": 8470}]
+    one = to_sidecar_config(spec, "ns.job", peer_ranges=ranges)
+    two = to_sidecar_config(spec, "ns.job", peer_ranges=[dict(r) for r in ranges])
     assert one.peers is not None and one.peers is two.peers
-    assert [p.id for p in one.peers.peers] == ["w-0", "w-1", "w-2", "w-3"]
-    moved = [*peers[:3], {"id": "w-3", "address": "w-3.js.ns.svc:8471"}]
-    other = to_sidecar_config(spec, "ns.job", peers=moved)
-    assert other.peers is not None and other.peers.peers[3].address.endswith(":8471")
+    assert [p.id for p in one.peers.members] == ["js-w-0-0", "js-w-0-1", "js-w-1-0", "js-w-1-1"]
+    moved = [ranges[0] | {"port": 8471}]
+    other = to_sidecar_config(spec, "ns.job", peer_ranges=moved)
+    assert other.peers is not None and other.peers.members[3].address == "js-w-1-1.js.ns.svc:8471"
     spec2 = parse_spec(
         PolicyBuilder().pvc().set("peers", {"mode": "replicate", "copies": 2}).spec()
     )
-    assert to_sidecar_config(spec2, "ns.job", peers=peers).peers.copies == 2  # type: ignore[union-attr]
-    bad = [*peers, {"id": "w 4", "address": "w-4:8470"}]
+    assert to_sidecar_config(spec2, "ns.job", peer_ranges=ranges).peers.copies == 2  # type: ignore[union-attr]
+    bad = [ranges[0] | {"prefix": "js w-"}]
     for _ in range(2):
         with pytest.raises(ValidationError):
-            to_sidecar_config(spec, "ns.job", peers=bad)
+            to_sidecar_config(spec, "ns.job", peer_ranges=bad)

@@ -66,10 +66,10 @@ def test_jobset_pod_gets_peer_config_port_failure_domain_and_sidecar_only_secret
         2,
         1,
     )
-    assert [p.id for p in config.peers.peers] == [
+    assert [p.id for p in config.peers.members] == [
         f"llm-workers-{j}-{p}" for j in range(2) for p in range(2)
     ]
-    assert config.peers.peers[3].address == "llm-workers-1-1.llm.team-a.svc:8477"
+    assert config.peers.members[3].address == "llm-workers-1-1.llm.team-a.svc:8477"
     assert config_of(train).peers == config.peers
     assert {"name": "strata-peers", "containerPort": 8477, "protocol": "TCP"} in sidecar["ports"]
     zone = next(e for e in sidecar["env"] if e["name"] == "STRATA_FAILURE_DOMAIN")
@@ -103,7 +103,7 @@ def test_indexed_job_pod_gets_the_peer_service_subdomain() -> None:
     assert pod["spec"]["subdomain"] == "strata-peers-pretrain"
     config = config_of(sidecar_of(pod))
     assert config.peers is not None and config.peers.copies == 2
-    assert config.peers.peers[0].address == "pretrain-0.strata-peers-pretrain.team-a.svc:9000"
+    assert config.peers.members[0].address == "pretrain-0.strata-peers-pretrain.team-a.svc:9000"
 
 
 def test_peers_off_changes_nothing_and_peers_on_without_workload_is_refused() -> None:

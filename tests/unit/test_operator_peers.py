@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from strata.peers import transport
-from strata.peers.config import PeerEndpoint, PeersConfig
+from strata.peers.config import PeerEndpoint, PeerRange, PeersConfig
 from strata_operator.admission.peers import (
     PeerSpecError,
     job_uri,
+    workload_peer_ranges,
     workload_peers,
 )
 
@@ -51,6 +52,14 @@ def test_jobset_peers_are_the_pod_host_names() -> None:
     assert peers[0]["address"] == "llm-workers-0-0.llm.team.svc:8477"
     # The sidecar configuration accepts the list as is.
     PeersConfig(peers=tuple(PeerEndpoint(**p) for p in peers), self_id="llm-driver-0-0")
+    # What a pod carries is the ranges; the sidecar expands them into the same list.
+    workload = jobset("llm", [("workers", 2, 2), ("idle", 0, 3), ("driver", 1, 1)])
+    ranges = workload_peer_ranges(workload)
+    assert [r["prefix"] for r in ranges] == ["llm-workers-", "llm-driver-"]  # 0 replicas: none
+    config = PeersConfig(ranges=tuple(PeerRange(**r) for r in ranges), self_id="llm-driver-0-0")
+    assert [p.model_dump() for p in config.members] == [
+        PeerEndpoint(**p).model_dump() for p in peers
+    ]
     sub = workload_peers(jobset("llm", [("w", 1, 1)], subdomain="net"), port=9000)
     assert sub[0]["address"] == "llm-w-0-0.net.team.svc:9000"
 
@@ -63,6 +72,11 @@ def test_workloads_without_stable_host_names_are_refused_with_the_fix() -> None:
         workload_peers(job)
     job["spec"] = {"completionMode": "Indexed", "completions": 2}
     assert [p["address"] for p in workload_peers(job)] == [
+        "t-0.strata-peers-t.n.svc:8477",
+        "t-1.strata-peers-t.n.svc:8477",
+    ]
+    (indexed,) = workload_peer_ranges(job)
+    assert [p.address for p in PeerRange(**indexed).endpoints()] == [
         "t-0.strata-peers-t.n.svc:8477",
         "t-1.strata-peers-t.n.svc:8477",
     ]

@@ -28,7 +28,8 @@ What an injected pod gets (every name below is a constant of :mod:`strata_operat
   (:meth:`strata.config.StrataConfig.to_env`), the downward-API identity variables and the RAM and
   PVC mounts;
 * with ``spec.peers`` (docs/peers.md): ``STRATA_CONFIG.peers`` with the workload's peer list
-  (:func:`strata_operator.admission.peers.workload_peers`), and on the sidecar only: the peer port
+  (:func:`strata_operator.admission.peers.workload_peer_ranges`: name patterns, a few hundred
+  bytes whatever the job's size), and on the sidecar only: the peer port
   ``strata-peers``, ``STRATA_FAILURE_DOMAIN`` from the ``topology.kubernetes.io/zone`` pod label
   (empty, i.e. unknown, where the cluster does not copy it), and the job's TLS Secret
   (``strata-peers-tls``, read-only at ``/var/run/secrets/strata.dev/peers``); an Indexed Job's
@@ -87,7 +88,8 @@ from strata_operator.admission.peers import (
     PeerSpecError,
     peer_secret_name,
     peer_service_name,
-    workload_peers,
+    workload_peer_ranges,
+    workload_size,
 )
 from strata_operator.api import (
     DEFAULT_HOST_PATH,
@@ -307,7 +309,7 @@ def build_pod_patch(
     grace = max(current, pol.sidecar.termination_grace_period_seconds or 0)
 
     job_id = job_id_for(pod, ns)
-    peers: list[dict[str, str]] | None = None
+    peers: list[dict[str, Any]] | None = None
     if pol.peers is not None:
         if workload is None:
             raise InjectionError(
@@ -315,10 +317,10 @@ def build_pod_patch(
                 "Indexed Job; run the pod under one or use a policy without peers"
             )
         try:
-            peers = workload_peers(workload, pol.peers.port)
+            peers = workload_peer_ranges(workload, pol.peers.port)
         except PeerSpecError as exc:
             raise InjectionError(f"{pod_desc}: {exc}") from None
-        misfit = _peers_misfit(pol, len(peers))
+        misfit = _peers_misfit(pol, workload_size(workload))
         if misfit:
             raise InjectionError(f"{pod_desc}: policy {view.name}: {misfit}")
     try:
@@ -331,7 +333,7 @@ def build_pod_patch(
             report_ca_path=f"{TOKEN_DIR}/{CA_FILE}" if settings.report_ca_pem else None,
             # A grace period of 0 leaves no time for the SIGTERM flush; the contract needs > 0.
             termination_grace_seconds=float(max(grace, 1)),
-            peers=peers,
+            peer_ranges=peers,
         )
     except ValidationError as exc:
         raise InjectionError(f"{pod_desc}: cannot build the sidecar configuration: {exc}") from None

@@ -30,10 +30,10 @@ from strata_operator.certs import self_signed_ca
 PEER_PORT = 8477
 PEER_TLS_MOUNT = "/var/run/secrets/strata.dev/peers"
 MAX_PEERS = 4096
-"""Most pods one job may have under a ``spec.peers`` policy. The peer list travels in every
-container's ``STRATA_CONFIG`` (about 85 bytes a peer): 4,096 peers are ~350 KB a container,
-which keeps a pod with a few containers under the apiserver's 1.5 MiB object limit (etcd) and
-its admission to a few milliseconds; 20,000 peers would be 1.7 MB a container."""
+"""Most pods one job may have under a ``spec.peers`` policy: the size up to which the peer tier
+(placement, inventory polling: every sidecar keeps a client per peer) has been run. A pod's
+configuration no longer grows with the job (it carries :func:`workload_peer_ranges`, not the
+list), so this bound is the data plane's, not the apiserver's object limit."""
 PEER_VALIDITY = datetime.timedelta(days=90)
 """Lifetime of a job's peer certificate; a job running longer needs its Secret re-issued."""
 
@@ -127,26 +127,27 @@ def workload_size(obj: Mapping[str, Any]) -> int:
     raise PeerSpecError(f"the peer tier supports JobSet and Indexed Job, not {kind}")
 
 
-def workload_peers(obj: Mapping[str, Any], port: int = PEER_PORT) -> list[dict[str, str]]:
-    """``[{"id": host name, "address": "<host>.<subdomain>.<namespace>.svc:<port>"}]`` of every
-    pod of a JobSet or an Indexed Job (``obj``: the workload as the API returns it).
+def workload_peer_ranges(obj: Mapping[str, Any], port: int = PEER_PORT) -> list[dict[str, Any]]:
+    """The pods of a JobSet or an Indexed Job as :class:`strata.peers.config.PeerRange` dicts
+    (``obj``: the workload as the API returns it): one range per replicated job (JobSet:
+    ``<jobset>-<rjob>-<job index>-<pod index>``) or one for the Job (``<job>-<index>``), each with
+    the domain ``<subdomain>.<namespace>.svc`` and ``port``. O(replicated jobs), whatever the
+    number of pods: this is what every pod's ``STRATA_CONFIG`` carries.
 
     Raises :class:`PeerSpecError` for other kinds, non-indexed jobs, a JobSet without DNS
     host names (``spec.network.enableDNSHostnames: false``), or more than :data:`MAX_PEERS`
-    pods (checked before the list is built, so the work stays bounded).
+    pods.
     """
     kind = obj.get("kind")
     meta = obj.get("metadata") or {}
     name, ns = meta.get("name", ""), meta.get("namespace", "default")
     spec = obj.get("spec") or {}
-    hosts: list[str] = []
     count = workload_size(obj)
     if count > MAX_PEERS:
         raise PeerSpecError(
             f"{kind} {name} has {count} pods, more than the {MAX_PEERS} peers the peer tier "
-            "supports per job (every pod carries the whole peer list in its configuration); "
-            "remove spec.peers from the policy for this job, or split it into jobs of at most "
-            f"{MAX_PEERS} pods"
+            "supports per job; remove spec.peers from the policy for this job, or split it into "
+            f"jobs of at most {MAX_PEERS} pods"
         )
     if kind == "JobSet":
         network = spec.get("network") or {}
@@ -155,18 +156,44 @@ def workload_peers(obj: Mapping[str, Any], port: int = PEER_PORT) -> list[dict[s
                 f"JobSet {name}: spec.network.enableDNSHostnames is false; the peer tier finds "
                 "peers by their DNS host names"
             )
-        subdomain = network.get("subdomain") or name
+        domain = f"{network.get('subdomain') or name}.{ns}.svc"
+        ranges = []
         for rjob in spec.get("replicatedJobs") or []:
             job_spec = (rjob.get("template") or {}).get("spec") or {}
             pods = _pods_of(job_spec, f"JobSet {name} replicatedJob {rjob.get('name')}")
-            for j in range(int(rjob.get("replicas", 1))):
-                hosts += [f"{name}-{rjob['name']}-{j}-{p}" for p in range(pods)]
-    elif kind == "Job":
-        subdomain = peer_service_name(name)
-        hosts = [f"{name}-{i}" for i in range(_pods_of(spec, f"Job {name}"))]
-    else:
-        raise PeerSpecError(f"the peer tier supports JobSet and Indexed Job, not {kind}")
-    return [{"id": h, "address": f"{h}.{subdomain}.{ns}.svc:{port}"} for h in hosts]
+            replicas = int(rjob.get("replicas", 1))
+            if replicas > 0:
+                ranges.append(
+                    {
+                        "prefix": f"{name}-{rjob['name']}-",
+                        "groups": replicas,
+                        "count": pods,
+                        "domain": domain,
+                        "port": port,
+                    }
+                )
+        return ranges
+    if kind == "Job":
+        pods = _pods_of(spec, f"Job {name}")
+        domain = f"{peer_service_name(name)}.{ns}.svc"
+        return [{"prefix": f"{name}-", "count": pods, "domain": domain, "port": port}]
+    raise PeerSpecError(f"the peer tier supports JobSet and Indexed Job, not {kind}")
+
+
+def workload_peers(obj: Mapping[str, Any], port: int = PEER_PORT) -> list[dict[str, str]]:
+    """``[{"id": host name, "address": "<host>.<subdomain>.<namespace>.svc:<port>"}]`` of every
+    pod of a JobSet or an Indexed Job: :func:`workload_peer_ranges` expanded, as the sidecar
+    expands them (O(pods); the webhook sends the ranges). Raises like it."""
+    out = []
+    for r in workload_peer_ranges(obj, port):
+        groups = r.get("groups")
+        hosts = (
+            [f"{r['prefix']}{i}" for i in range(r["count"])]
+            if groups is None
+            else [f"{r['prefix']}{g}-{i}" for g in range(groups) for i in range(r["count"])]
+        )
+        out += [{"id": h, "address": f"{h}.{r['domain']}:{r['port']}"} for h in hosts]
+    return out
 
 
 def peer_service_name(job_name: str) -> str:

@@ -69,7 +69,6 @@ from strata_operator.admission.mutation import (
     build_pod_patch,
     job_id_for,
 )
-from strata_operator.admission.peers import PeerSpecError, workload_size
 from strata_operator.admission.policy_cache import POLICY_READS, PolicyCache, PolicyWatch
 from strata_operator.admission.workloads import build_workload_patch
 from strata_operator.api import conditions
@@ -81,13 +80,6 @@ log = logging.getLogger("strata.webhook")
 
 DENY_MISSING_POLICY = 403
 DENY_INVALID = 422
-INLINE_PEERS_MAX = 512
-"""Largest job (pods, :func:`~strata_operator.admission.peers.workload_size`) whose pods' peer
-mutation is built on the event loop. The build grows with the job (each pod's ``STRATA_CONFIG``
-carries the whole peer list), so a larger job's is built in a thread; a small job's costs well
-under a millisecond (0.6 ms median for 64 peers under a 512-pod burst), less than the wait for a
-thread of the default executor in that burst (about 300 ms at its peak: handler p99 169-417 ms
-against a p50 of 2 ms)."""
 
 
 @dataclass
@@ -220,12 +212,11 @@ async def _admit(
                 raw, namespace, state.custom_api, state.batch_api, timeout
             )
         try:
-            if peers and _peer_build_off_loop(workload):
-                # The peer list grows with the job: build it off the event loop, so that other
-                # admissions (and the watch feeding the policy cache) go on meanwhile.
-                ops = await asyncio.to_thread(build, raw, policy, state, namespace, workload)
-            else:
-                ops = build(raw, policy, state, namespace, workload)
+            # On the event loop whatever the job's size: a pod carries its peers as name
+            # patterns (O(replicated jobs)), and the one O(pods) check is done once per workload
+            # (sidecar_config caches it). A thread cost more than the build: under a 512-pod
+            # burst the wait for one of the default executor reached 330 ms.
+            ops = build(raw, policy, state, namespace, workload)
             if peers:
                 job_id = job_id_for(raw, namespace)
         except InjectionError as exc:
@@ -257,18 +248,6 @@ async def _admit(
         m.ADMISSION_REQUESTS.labels(kind=kind, outcome=outcome).inc()
         m.ADMISSION_DURATION.labels(kind=kind).observe(time.perf_counter() - start)
         memory.TRIMMER.closed()
-
-
-def _peer_build_off_loop(workload: Mapping[str, Any] | None) -> bool:
-    """Whether a peers pod's mutation is built in a thread: its job has more than
-    `INLINE_PEERS_MAX` pods, or its size cannot be read (the build then says why, in a thread
-    like before)."""
-    if workload is None:
-        return True
-    try:
-        return workload_size(workload) > INLINE_PEERS_MAX
-    except PeerSpecError:
-        return True
 
 
 async def _admit_into(

@@ -72,7 +72,7 @@ def tier_location(config: StrataConfig, tier: str) -> str:
     if tier == "gcs" and config.gcs is not None:
         return f"gs://{config.gcs.bucket}/{config.gcs.prefix}"
     if tier == "peer" and config.peers is not None:
-        return f"{len(config.peers.peers)} peers (through the sidecar)"
+        return f"{len(config.peers.members)} peers (through the sidecar)"
     return "?"
 
 

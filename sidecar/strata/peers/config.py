@@ -1,9 +1,13 @@
 """Configuration of the peer tier: one frozen pydantic model, part of the Strata config.
 
-The webhook fills it from the CheckpointPolicy (``spec.peers``) and the workload: the list of
-peers is computed from the pod names the workload controller gives (JobSet:
+The webhook fills it from the CheckpointPolicy (``spec.peers``) and the workload: the peers are
+the pod names the workload controller gives (JobSet:
 ``<jobset>-<rjob>-<job index>-<pod index>.<subdomain>``), so no sidecar needs Kubernetes API
-access to discover its peers. Outside Kubernetes (tests, the demo) the list is static.
+access to discover its peers. The webhook sends them as :class:`PeerRange` patterns (a few
+hundred bytes whatever the job's size), which the sidecar expands into :attr:`PeersConfig.members`;
+a pod that carried the whole list made every pod of an n-pod job O(n) bytes (about 85 bytes a
+peer), so the job O(n^2) in etcd: 4,096 peers pods filled a 2 GiB etcd. Outside Kubernetes (tests,
+the demo) the list can be static (``peers``).
 
 Errors: invalid combinations raise ``ValueError`` at construction naming the conflict (pydantic
 turns it into the ``ConfigError`` of :mod:`strata.config`).
@@ -11,12 +15,15 @@ turns it into the ``ConfigError`` of :mod:`strata.config`).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 DEFAULT_PEER_PORT = 8477
 DEFAULT_TLS_DIR = "/var/run/secrets/strata.dev/peers"
@@ -41,6 +48,43 @@ class PeerEndpoint(_Frozen):
     address: Annotated[str, Field(min_length=3, pattern=r"^[^\s/]+:\d{1,5}$")]
     node: str | None = None
     domain: str | None = None
+
+
+class PeerRange(_Frozen):
+    """Peers named the way a workload controller names its pods, without listing them.
+
+    Host names: ``{prefix}{i}`` for ``0 <= i < count`` or, with ``groups``, ``{prefix}{g}-{i}``
+    for ``0 <= g < groups`` and ``0 <= i < count``. JobSet: prefix ``<jobset>-<rjob>-``, groups
+    the replicated job's replicas, count its pods per job; Indexed Job: prefix ``<job>-``, count
+    its completions. A peer's id is its host name, its address ``{host}.{domain}:{port}``.
+    """
+
+    prefix: Annotated[str, Field(min_length=1, max_length=200, pattern=PEER_ID_PATTERN)]
+    groups: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    count: Annotated[int, Field(ge=1, le=1_000_000)]
+    domain: Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.-]+$")]
+    port: Annotated[int, Field(ge=1, le=65535)]
+
+    @property
+    def size(self) -> int:
+        """Number of peers this range names."""
+        return (self.groups or 1) * self.count
+
+    def hosts(self) -> Iterator[str]:
+        """Host names, in index order (group-major)."""
+        if self.groups is None:
+            for i in range(self.count):
+                yield f"{self.prefix}{i}"
+            return
+        for g in range(self.groups):
+            for i in range(self.count):
+                yield f"{self.prefix}{g}-{i}"
+
+    def endpoints(self) -> Iterator[PeerEndpoint]:
+        """One :class:`PeerEndpoint` per host. Built without re-validation: the field patterns
+        above already make every id and address valid."""
+        for h in self.hosts():
+            yield PeerEndpoint.model_construct(id=h, address=f"{h}.{self.domain}:{self.port}")
 
 
 class PeerTlsConfig(_Frozen):
@@ -75,7 +119,10 @@ class PeersConfig(_Frozen):
     self_id: Annotated[str, Field(pattern=PEER_ID_PATTERN)] | None = None
     """This sidecar's peer id; default: the pod name, else the host name."""
     peers: tuple[PeerEndpoint, ...] = ()
-    """Every sidecar of the job, this one included."""
+    """Sidecars of the job listed one by one (tests, the demo); with ``ranges`` they make
+    :attr:`members`."""
+    ranges: tuple[PeerRange, ...] = ()
+    """Sidecars of the job as name patterns (the webhook's form, O(1) bytes a pod)."""
     listen_host: str = "0.0.0.0"
     port: Annotated[int, Field(ge=0, le=65535)] = DEFAULT_PEER_PORT
     """TCP port of the peer server (0: any free port, tests)."""
@@ -89,25 +136,47 @@ class PeersConfig(_Frozen):
     """Newest steps kept per owner (replicas) or per group (parity); older ones are deleted."""
     timeout_seconds: Annotated[float, Field(gt=0)] = 10.0
 
+    @functools.cached_property
+    def members(self) -> tuple[PeerEndpoint, ...]:
+        """Every sidecar of the job, this one included: ``peers`` then each range expanded."""
+        return self.peers + tuple(e for r in self.ranges for e in r.endpoints())
+
+    @functools.cached_property
+    def _by_id(self) -> dict[str, PeerEndpoint]:
+        return {p.id: p for p in self.members}
+
+    def _ids(self) -> Iterator[str]:
+        yield from (p.id for p in self.peers)
+        for r in self.ranges:
+            yield from r.hosts()
+
+    _checked: bool = PrivateAttr(False)
+
     @model_validator(mode="after")
     def _check(self) -> PeersConfig:
-        # Linear in the number of peers: the webhook builds this for every pod of a job, and a
-        # job can have thousands of pods.
-        counts = Counter(p.id for p in self.peers)
+        # Linear in the number of peers, and it keeps nothing of the expansion (the operator
+        # validates one config per workload and keeps it; only a sidecar expands `members`).
+        # pydantic runs an "after" validator again each time the instance is a field value of
+        # another model (every pod's StrataConfig): once per instance is enough.
+        if self._checked:
+            return self
+        counts = Counter(self._ids())
         dup = sorted(i for i, n in counts.items() if n > 1)
         if dup:
-            raise ValueError(f"peers lists these ids more than once: {dup[:20]}")
-        if self.self_id is not None and self.peers and self.self_id not in counts:
-            shown = [p.id for p in self.peers[:20]]
-            more = f" (and {len(self.peers) - 20} more)" if len(self.peers) > 20 else ""
+            raise ValueError(f"peers and ranges name these ids more than once: {dup[:20]}")
+        if self.self_id is not None and counts and self.self_id not in counts:
+            shown = list(itertools.islice(counts, 20))
+            more = f" (and {len(counts) - 20} more)" if len(counts) > 20 else ""
             raise ValueError(f"self_id {self.self_id!r} is not in peers {shown}{more}")
+        self._checked = True
         return self
 
     def endpoint(self, peer_id: str) -> PeerEndpoint:
-        for p in self.peers:
-            if p.id == peer_id:
-                return p
-        raise KeyError(f"no peer {peer_id!r} in the peers list")
+        """The member named ``peer_id``; raises ``KeyError`` when there is none."""
+        try:
+            return self._by_id[peer_id]
+        except KeyError:
+            raise KeyError(f"no peer {peer_id!r} in the peers list") from None
 
 
 def check_peer_id(value: str) -> str:

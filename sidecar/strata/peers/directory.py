@@ -36,7 +36,7 @@ class PeerDirectory:
         self.self_id = self_id
         self.clients = {
             p.id: PeerClient(p, ctx, job_id, ingress, timeout=config.timeout_seconds)
-            for p in config.peers
+            for p in config.members
             if p.id != self_id
         }
         self._known: dict[str, PeerInventory] = {}
@@ -89,7 +89,7 @@ class PeerDirectory:
         """Every peer of the configuration as placement sees it: node and domain from its last
         inventory, else from the configuration (an unknown node counts as its own)."""
         out = []
-        for p in self.config.peers:
+        for p in self.config.members:
             if p.id == me.id:
                 out.append(me)
                 continue

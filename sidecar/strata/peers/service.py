@@ -127,9 +127,9 @@ class PeerService:
         if config.peers is None:
             return None
         self_id = config.peers.self_id or socket.gethostname()
-        if config.peers.peers and self_id not in {p.id for p in config.peers.peers}:
+        if config.peers.members and self_id not in {p.id for p in config.peers.members}:
             raise ConfigError(
-                f"this sidecar's peer id {self_id!r} (host name) is not in peers.peers; set "
+                f"this sidecar's peer id {self_id!r} (host name) is not among the job's peers; set "
                 "peers.self_id or run the pods with stable host names (JobSet, Indexed Job)"
             )
         return cls(
