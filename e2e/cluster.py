@@ -536,6 +536,13 @@ class LocalCluster:
                     f"--initial-cluster=strata=http://127.0.0.1:{peer_port}",
                     # Test data: durability across power loss is not needed, speed is.
                     "--unsafe-no-fsync",
+                    # The scale runs write tens of thousands of pod revisions: past the default
+                    # 2 GiB quota etcd refuses every write ("mvcc: database space exceeded").
+                    # The apiserver compacts only every 5 min, so etcd compacts itself too,
+                    # keeping 2 min of revisions (nothing here watches further back).
+                    "--quota-backend-bytes=8589934592",
+                    "--auto-compaction-mode=periodic",
+                    "--auto-compaction-retention=2m",
                     "--log-level=warn",
                 ],
                 logs / "etcd.log",

@@ -1,5 +1,5 @@
-"""The trainer process of the fault-injection campaign (forked from a forkserver that preloaded
-torch and strata, so a cycle costs a fork, not an interpreter start).
+"""The trainer and sidecar processes of the fault-injection campaign (forked from a forkserver
+that preloaded torch and strata, so a cycle costs a fork, not an interpreter start).
 
 It restores (checking the restored state bit for bit against :func:`state_for` of the step it
 got), then saves ``steps`` steps, appending ``restore <step|none> ok|WRONG`` and ``saved <step>``
@@ -64,6 +64,26 @@ def _log(path: Path, line: str) -> None:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def sidecar(env: dict[str, str], log_path: str) -> None:
+    """``strata sidecar`` in a process forked from the campaign's forkserver (which preloaded
+    the sidecar's modules): the same code as the command, killed for real, without an
+    interpreter start and its imports per restart.
+
+    ``env``: the ``STRATA_*`` variables (config, fault rule); the forkserver's own are dropped.
+    stdout and stderr go to ``log_path``.
+    """
+    for key in [k for k in os.environ if k.startswith("STRATA_")]:
+        del os.environ[key]
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from strata.sidecar.main import run_sidecar
+
+    raise SystemExit(run_sidecar(log_level="INFO"))
 
 
 def trainer(config_json: str, log_path: str, fault: str, steps: int) -> None:
