@@ -138,6 +138,12 @@ class RestoreConfig(_Frozen):
     verify: bool = True
     allow_fresh_start: bool = False
     """Start from step 0 when no tier holds a restorable step. False: restore() raises instead."""
+    load_in_place: bool = True
+    """A copy the nearest tier holds as a local file (the PVC) is loaded where it lies: one read
+    straight into the live state, verified on the way, nothing staged into RAM (the next save
+    writes RAM). False: it is staged into RAM first, then loaded from there (two copies; the
+    next restore before a save is a RAM hit). RAM hits, GCS, the peers and incremental copies
+    are always staged."""
 
 
 class ReportConfig(_Frozen):

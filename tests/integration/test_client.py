@@ -182,8 +182,9 @@ def test_c03_step_without_manifest_is_skipped_in_ram_and_pvc(
 def test_c04_flipped_bytes_fall_back_ram_pvc_gcs_and_quarantine_once(
     shm_dir: Path, tmp_path: Path, gcs_emulator: GcsEmulator, gcs_bucket: str
 ) -> None:
-    """C-04: flipped bytes in RAM -> PVC; flipped on the PVC too -> GCS; bad copies quarantined
-    and never retried (the next restore is a RAM hit of the re-staged copy)."""
+    """C-04: flipped bytes in RAM -> PVC (loaded where it lies: nothing re-staged into RAM);
+    flipped on the PVC too -> GCS (staged into RAM); bad copies quarantined and never retried
+    (the next restore is a RAM hit of the staged copy)."""
     gcs_cfg = gcs_emulator.tier_config(gcs_bucket, prefix="ckpt")
     config = StrataConfig(
         job_id=JOB,
@@ -218,8 +219,8 @@ def test_c04_flipped_bytes_fall_back_ram_pvc_gcs_and_quarantine_once(
         )
         assert any(".quarantined-" in n for n in os.listdir(c.ram.step_dir(JOB, 40)))
 
-        flip(c.ram.data_path(JOB, 40, 0))  # the re-staged RAM copy, and the PVC copy, go bad
-        flip(pvc.data_path(JOB, 40, 0))
+        assert 40 not in c.ram.complete_steps(JOB)  # the PVC copy was read in place
+        flip(pvc.data_path(JOB, 40, 0))  # the PVC copy goes bad too
         t.train(2)
         res = c.restore(t.state)
         assert res.step == 40 and res.tiers == {0: "gcs"} and same_weights(t.weights(), w40)

@@ -172,14 +172,14 @@ def test_failure3_flipped_manifests_fall_back_tier_by_tier_then_to_an_older_step
         check(40, "pvc", res.skipped)
         assert any(n.startswith("ram:") and "quarantined" in n for n in res.skipped)
 
-        flip_posix(c.ram.manifest_path(JOB, 40, 0))  # the re-staged RAM copy
+        assert 40 not in c.ram.complete_steps(JOB)  # the PVC copy was loaded in place
         flip_posix(pvc.manifest_path(JOB, 40, 0))
         t.train(2)
         res = c.restore(t.state)
         assert (res.step, res.tiers) == (40, {0: "gcs"}), res.skipped
         check(40, "gcs", res.skipped)
 
-        flip_posix(c.ram.manifest_path(JOB, 40, 0))
+        flip_posix(c.ram.manifest_path(JOB, 40, 0))  # the copy staged from GCS
         flip_gcs_object(client, gcs_bucket, gcs_name, rng)
         t.train(3)
         res = c.restore(t.state)

@@ -47,9 +47,13 @@ def test_failure4_sidecar_killed_while_staging_from_the_pvc(
     shm_dir: Path, tmp_path: Path, sidecar_proc: Start
 ) -> None:
     """The sidecar dies in the middle of staging (after copying the shard into a RAM slot,
-    before committing it there): the trainer stages the shard itself from the PVC."""
+    before committing it there): the trainer stages the shard itself from the PVC. (A PVC copy
+    is loaded where it lies by default, without staging: ``restore.load_in_place`` off.)"""
     pvc = tmp_path / "pvc"
     config = config_for(shm_dir, pvc)
+    config = config.model_copy(
+        update={"restore": config.restore.model_copy(update={"load_in_place": False})}
+    )
     side = sidecar_proc(config)
     with Checkpointer(config, rank=0, world_size=1) as c:
         assert c.save(50, state_for(50))

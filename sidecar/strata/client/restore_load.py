@@ -16,8 +16,10 @@ carries the outcome into the next phase.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ import torch
 from strata.client.loader import load_shard
 from strata.client.sharded import ShardedLoad, ShardReader
 from strata.config import StrataConfig
+from strata.errors import TierError
 from strata.format import codec
 from strata.format.manifest import Manifest
 from strata.restore.reshard import PerRankValues, per_rank_values
@@ -116,6 +119,17 @@ class LoadedShard:
     slots_hint: tuple[int, bool] | None
     """(data bytes, holds CUDA tensors): what the next save's slots need; None: unknown (a
     sharded state is sized by encoding it)."""
+
+
+@dataclass(frozen=True)
+class DirectShard:
+    """A copy of this rank's shard that a durable tier holds as a local file, to be loaded
+    where it lies (:meth:`RankLoader.direct_source`)."""
+
+    tier: Tier
+    path: Path
+    """Its data file."""
+    manifest: Manifest
 
 
 @dataclass
@@ -227,6 +241,60 @@ class RankLoader:
         # here, so such a state is sized by encoding it (after the load, as before).
         hint = None if m.sharded else (m.data_nbytes, out.cuda)
         return LoadedShard(out.tree, load, component_steps, hint)
+
+    def direct_source(self, tier: Tier, step: int) -> DirectShard | None:
+        """This rank's copy of ``step`` on ``tier`` when it can be loaded where it lies
+        (:meth:`load_direct`: one read of the file, straight into the live state, verified on
+        the way) instead of being staged into RAM and then loaded (a copy into tmpfs, then a
+        second copy). None when it must be staged: ``tier`` is RAM (already in place) or not a
+        file system this process mounts (GCS; the peers, reached through the sidecar), or the
+        copy is incremental (its base's chunks lie elsewhere), archive-only, of another world
+        size or without checksums while the policy verifies, or its manifest cannot be read
+        (the stager then tries it and says why). Never raises."""
+        if tier.name == self.ram.name or tier.local_root() is None:
+            return None
+        path = tier.data_path(self.job_id, step, self.rank)
+        if path is None:
+            return None
+        try:
+            m = tier.get_manifest(self.job_id, step, self.rank)
+        except (TierError, OSError):
+            return None
+        if (
+            m.refs is not None
+            or m.components is not None
+            or m.world_size != self.world_size
+            or (self.verify and not m.verified)
+        ):
+            return None
+        return DirectShard(tier, path, m)
+
+    def load_direct(self, state: Any, shard: DirectShard) -> LoadedShard:
+        """Load ``shard`` (:meth:`direct_source`) into ``state`` from where it lies, checking
+        every chunk's CRC32C against its manifest while copying (unless the policy does not
+        verify). The kernel is asked to read the whole file ahead (``POSIX_FADV_WILLNEED``) so
+        that the copy threads find it cached. Nothing is staged into RAM: the next save writes
+        RAM. Raises :class:`ShardCorrupt` (the live state is then partly overwritten: quarantine
+        the copy and plan again), ``OSError`` (the file cannot be opened or mapped: nothing was
+        written; stage it instead) and what the codec raises for a state that does not fit."""
+        m = shard.manifest
+        load = ShardedLoad(self.rank, self.world_size, self.world_size)
+        with open(shard.path, "rb") as f:
+            if m.data_nbytes and hasattr(os, "posix_fadvise"):
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(f.fileno(), 0, m.data_nbytes, os.POSIX_FADV_WILLNEED)
+        out = load_shard(
+            state,
+            m,
+            shard.path,
+            pool=self.buffers.copy_pool,
+            workers=self.buffers.copy_threads,
+            verify=self.verify,
+            checksum=self.verify,
+            resolve=load.resolve,
+        )
+        hint = None if m.sharded else (m.data_nbytes, out.cuda)
+        return LoadedShard(out.tree, load, dict(m.component_steps or {}), hint)
 
     def fill_pending(self, load: ShardedLoad, step: int, notes: list[str]) -> None:
         """Slices of sharded tensors that no owner sent (after the ``replicas`` phase), read

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from strata.config import StrataConfig
 from strata.errors import ShardCorrupt, TierError
+from strata.tiers.base import Tier
 from strata.tiers.ram import RamTier
 
 log = logging.getLogger("strata.client")
@@ -48,18 +49,25 @@ class RestoreNotes:
         self.items.append(note)
 
     def quarantine(
-        self, ram: RamTier, job_id: str, step: int, rank: int, tier: str, exc: ShardCorrupt
+        self,
+        ram: RamTier | Tier,
+        job_id: str,
+        step: int,
+        rank: int,
+        tier: str,
+        exc: ShardCorrupt,
     ) -> str:
         """A copy served by ``tier`` failed verification while loading: note it, remember the
-        tier, and quarantine the RAM copy it was staged into (a quarantine that fails is noted,
-        never raised). Returns the load error for the log."""
+        tier, and quarantine the copy that was loaded (``ram``: the RAM copy it was staged into,
+        or the tier's own copy when it was loaded where it lies; a quarantine that fails is
+        noted, never raised). Returns the load error for the log."""
         error = f"{tier}: {exc}"
         self.items.append(f"{error} (quarantined)")
         self.quarantined.append(tier)
         try:
             ram.quarantine(job_id, step, rank, str(exc))
         except TierError as qexc:
-            self.items.append(f"ram: quarantine failed: {qexc}")
+            self.items.append(f"{ram.name}: quarantine failed: {qexc}")
         return error
 
 

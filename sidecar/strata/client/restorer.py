@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from strata.client import steps as _steps
 from strata.client.collectives import RestoreCollectives
-from strata.client.restore_load import RankLoader, RestoreTiers
+from strata.client.restore_load import DirectShard, RankLoader, RestoreTiers
 from strata.client.restore_notes import RestoreNotes, searched
 from strata.client.stager import Stager
 from strata.config import StrataConfig
@@ -160,6 +160,7 @@ class Restorer:
         chosen: dict[str, str] | None = None
         excluded: list[int] = []
         clobbered = False
+        no_direct: set[tuple[str, int]] = set()  # (tier, step) that failed to load in place
         self.tiers.get()
         notes = RestoreNotes(self.tiers.notes)
         if self.world_size > 1 and not self.phases.distributed:
@@ -191,7 +192,13 @@ class Restorer:
                 continue
             if plan is None:
                 break
-            res, err = self._stage(plan, notes)
+            direct = self._direct(plan, no_direct)
+            res: StageResult | None
+            if direct is not None:
+                m = direct.manifest
+                res, err = StageResult(direct.tier.name, direct.path, m, m.data_nbytes, 0.0), None
+            else:
+                res, err = self._stage(plan, notes)
             outcomes = self.phases.agree_staged(None if res is None else res.tier)
             if res is None or any(o is None for o in outcomes):
                 log.warning(
@@ -206,12 +213,23 @@ class Restorer:
             failure: BaseException | None = None
             loaded, load_err = None, None
             try:
-                loaded = self.loader.load_staged(state, plan.step, res.tier, notes.items)
+                if direct is not None:
+                    loaded = self.loader.load_direct(state, direct)
+                else:
+                    loaded = self.loader.load_staged(state, plan.step, res.tier, notes.items)
             except ShardCorrupt as exc:
                 clobbered, failure = True, exc
+                holder = self.ram if direct is None else direct.tier
                 load_err = notes.quarantine(
-                    self.ram, self.job_id, plan.step, self.rank, res.tier, exc
+                    holder, self.job_id, plan.step, self.rank, res.tier, exc
                 )
+            except OSError as exc:
+                if direct is None:
+                    load_err, failure = f"{res.tier}: {exc!r}", exc
+                else:  # nothing was written: every rank plans again, this one stages it
+                    notes.add(f"{res.tier}: could not be loaded where it lies ({exc}); staged")
+                    no_direct.add((res.tier, plan.step))
+                    load_err, failure = f"{res.tier}: {exc!r}", ShardCorrupt(str(exc))
             except Exception as exc:  # any other failure: every rank learns of it (no hang)
                 load_err, failure = f"{res.tier}: {exc!r}", exc
             if not self.phases.settle_load(plan.step, failure):
@@ -265,6 +283,27 @@ class Restorer:
         return self._nothing_restorable(
             step, notes, started, chosen or proposal, excluded, clobbered, state
         )
+
+    def _direct(self, plan: RestorePlan, no_direct: set[tuple[str, int]]) -> DirectShard | None:
+        """This rank's copy of ``plan``'s step to load where it lies, when the nearest tier
+        that holds it for this rank is a durable file system this process mounts (the PVC):
+        one read straight into the state instead of a copy into RAM and a second copy out
+        (:meth:`RankLoader.direct_source`). None: stage it (a RAM hit, GCS, the peers, an
+        incremental copy, or a copy that failed to load in place this restore)."""
+        sources = plan.sources.get(self.rank, ())
+        if not self.config.restore.load_in_place or not sources:
+            return None
+        if (sources[0], plan.step) in no_direct:
+            return None
+        tier = next((t for t in self.tiers.get() if t.name == sources[0]), None)
+        found = None if tier is None else self.loader.direct_source(tier, plan.step)
+        if (
+            found is not None
+            and plan.incarnation
+            and found.manifest.incarnation != plan.incarnation
+        ):
+            return None  # replaced since it was listed: the stager's checks say why
+        return found
 
     def _stage(
         self, plan: RestorePlan, notes: RestoreNotes
