@@ -460,6 +460,36 @@ def test_a_deferred_ram_hit_loads_and_verifies_with_the_sidecar_killed_after_its
         assert result.step == 60 and result.tier == "ram"
 
 
+def test_a_restore_whose_sidecar_is_gone_waits_for_it_once_not_once_per_call(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    """The sidecar is SIGKILLed after the trainer connected and not restarted: the restore's
+    inventory waits ``wait_seconds`` for it, then reads the tiers directly; its staging does
+    not wait again (the sidecar still does not answer) and says so. Before, every call waited
+    (10 s each by default: 20 s for a one-round restore)."""
+    torch = pytest.importorskip("torch")
+    from strata.client import Checkpointer
+
+    config = config_for(shm_dir, tmp_path / "pvc")
+    side = sidecar_proc(config)
+    state = {"w": torch.arange(4096, dtype=torch.float32), "step": 7}
+    with Checkpointer(config, rank=0, world_size=1) as ckpt:
+        assert ckpt.save(7, state)
+        ckpt.wait()
+    target = {"w": torch.zeros(4096), "step": -1}
+    with Checkpointer(config, rank=0, world_size=1) as ckpt:
+        stager = ckpt.stager
+        assert isinstance(getattr(stager, "sidecar", None), SidecarClient)
+        stager.wait_seconds = 0.5  # type: ignore[attr-defined]
+        side.kill()
+        result = ckpt.restore(target)
+    assert result.step == 7 and torch.equal(target["w"], state["w"])
+    waited = [n for n in result.skipped if "waited" in n and "read the tiers directly" in n]
+    again = [n for n in result.skipped if "still not answering" in n]
+    assert len(waited) == 1 and "inventory" in waited[0], result.skipped
+    assert len(again) == 1 and "staging of step 7" in again[0], result.skipped
+
+
 def test_c06_no_tier_holds_a_step_is_a_clear_error_never_a_silent_step_0(
     shm_dir: Path, tmp_path: Path, sidecar_proc: Start
 ) -> None:

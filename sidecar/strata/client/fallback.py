@@ -5,9 +5,11 @@ when a sidecar answered at start-up. Each inventory or staging call goes to the 
 the sidecar stops answering (its container crashed, was OOM-killed or is restarting:
 :class:`strata.errors.ProtocolError`), it waits up to ``wait_seconds`` for a sidecar to answer
 again and retries there once, else it does that call itself with direct tier access
-(``local``). Either way it says what happened in the inventory's notes or the staging result's
-``skipped``, which :meth:`Checkpointer.restore` returns in ``RestoreResult.skipped``. A restore
-therefore never raises because the sidecar went away while every tier is intact.
+(``local``); once a wait ran out, later calls do not wait again while the sidecar still does
+not answer (a restore's inventory and staging wait once in all, not once each). Either way it
+says what happened in the inventory's notes or the staging result's ``skipped``, which
+:meth:`Checkpointer.restore` returns in ``RestoreResult.skipped``. A restore therefore never
+raises because the sidecar went away while every tier is intact.
 
 torch-free (imported with :mod:`strata.client.sidecar_client`).
 """
@@ -50,19 +52,35 @@ class SidecarFallbackStager:
         it to the client, which verifies it while loading it (one pass over the shard, not the
         sidecar's checksum pass then the client's copy); a sidecar that does not know the
         request verifies it itself, and the local stager never verifies it."""
+        self.gone: ProtocolError | None = None
+        """Set when the sidecar did not answer again within ``wait_seconds``: later calls go
+        to ``local`` at once (noted) until it answers again (``ready()``)."""
 
     def _call(
         self, what: str, on_sidecar: Callable[[], T], locally: Callable[[], T]
     ) -> tuple[T, str | None]:
+        if self.gone is not None and not self.sidecar.ready():
+            # It did not come back within the wait of an earlier call: waiting again for each
+            # call of this restore (inventory, then staging, per round) only delays it.
+            note = (
+                f"sidecar: still not answering for the restore's {what} ({self.gone}); read "
+                "the tiers directly"
+            )
+            log.warning("strata restore: %s", note)
+            return locally(), note
         try:
-            return on_sidecar(), None
+            res = on_sidecar()
+            self.gone = None
+            return res, None
         except ProtocolError as exc:
             first = exc
         deadline = time.monotonic() + self.wait_seconds
         while time.monotonic() < deadline:
             if self.sidecar.ready():
                 try:
-                    return on_sidecar(), (
+                    res = on_sidecar()
+                    self.gone = None
+                    return res, (
                         f"sidecar: stopped answering during the restore's {what} ({first}); "
                         "it answered again and served it"
                     )
@@ -70,6 +88,7 @@ class SidecarFallbackStager:
                     first = exc
                     break
             time.sleep(self.poll_seconds)
+        self.gone = first
         note = (
             f"sidecar: stopped answering during the restore's {what} ({first}); waited "
             f"{self.wait_seconds:.0f} s, then read the tiers directly"
