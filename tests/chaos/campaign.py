@@ -9,9 +9,10 @@ Two parts, each bounded by its counts and reproducible from its seed:
   (a promotion round, a PVC copy with its data written but no manifest, its checksum pass,
   staging) or by SIGKILL at a random moment, or both together. A killed sidecar is restarted,
   half the time at once while the trainer goes on saving (start-up pruning runs beside a live
-  trainer). The sidecar promotes to the PVC and, with ``gcs_endpoint``, to fake-gcs-server. Every restore must return exactly
-  the state saved as that step, and never a step older than the newest one ``save()`` reported
-  committed.
+  trainer), else after a back-off of 1-4 s as a kubelet would (the trainer saves without it
+  and its restore waits for it), or after the cycle. The sidecar promotes to the PVC and, with
+  ``gcs_endpoint``, to fake-gcs-server. Every restore must return exactly the state saved as
+  that step, and never a step older than the newest one ``save()`` reported committed.
 - :func:`corruption_campaign`: two steps committed in RAM, on the PVC and on GCS; one to three
   random bit flips, truncations or deletions of data objects or manifests of random tiers, or a
   wipe of the whole RAM tier (a node reboot); a restore must return exactly
@@ -48,6 +49,9 @@ TRAINER_POINTS = ("save.copied", "commit.linked", "commit.done", "seal.before")
 SIDECAR_POINTS = ("promotion.round", "posix.data_written", "seal.before", "stage.copied")
 JOB = "chaos.job"
 STEPS_PER_CYCLE = 6
+SIDECAR_BACKOFF_SECONDS = (1.0, 4.0)
+"""How long a killed sidecar stays down when it is not restarted at once (a kubelet's first
+restart back-off is 10 s; the trainer's restore waits up to 10 s for it, then reads the tiers)."""
 
 
 READY_SECONDS = 120.0
@@ -307,6 +311,14 @@ def crash_campaign(
                         # runs while this trainer still saves.
                         start()
                         counts["sidecar_restarts_under_live_trainer"] += 1
+                    else:
+                        # As the kubelet does, after a back-off: meanwhile the trainer saves
+                        # without it (and a restore waits for it); a trainer done sooner
+                        # finishes its cycle without one.
+                        p.join(rnd.uniform(*SIDECAR_BACKOFF_SECONDS))
+                        if p.is_alive() and not aborted:
+                            start()
+                            counts["sidecar_restarts_after_backoff"] += 1
             p.join(300)
             if p.is_alive():
                 p.kill()
