@@ -105,19 +105,26 @@ class StrataSaver:
 
 class PvcRestore:
     """A fresh client (empty RAM tier, as after a pod rescheduled elsewhere) restoring from
-    the PVC directory: stage (verified copy into a new RAM slot) then load in place."""
+    the PVC directory: loaded where it lies, verified on the way (the default,
+    ``restore.load_in_place``), or with ``load_in_place=False`` staged (verified copy into a
+    new RAM slot) then loaded from RAM."""
 
-    def __init__(self, ram_dir: Path, pvc_root: Path, threads: int) -> None:
+    def __init__(
+        self, ram_dir: Path, pvc_root: Path, threads: int, load_in_place: bool = True
+    ) -> None:
         self.ram_dir = ram_dir
         self.pvc_root = pvc_root
         self.threads = threads
+        self.load_in_place = load_in_place
         self.ck: Any = None
 
     def setup(self) -> None:
         from strata.client import Checkpointer
+        from strata.config import RestoreConfig, StrataConfig
 
         shutil.rmtree(self.ram_dir, ignore_errors=True)
         self.ck = Checkpointer(
+            StrataConfig(job_id=JOB, restore=RestoreConfig(load_in_place=self.load_in_place)),
             job_id=JOB,
             ram_dir=self.ram_dir,
             pvc_dir=self.pvc_root,
