@@ -8,6 +8,11 @@
 - :func:`verify_commit`: the record still describes the shards next to it (each rank's manifest
   bytes and data checksum are the ones committed).
 - :func:`read_incarnations` / :func:`write_incarnation`: ``<job>/incarnations/<id>.json``.
+  A job gains a record at every restore and never loses one, so both cost one listing plus the
+  records not seen before: records are created once and never rewritten (sealed), and each
+  :class:`Tier` object keeps those it read. Before, every inventory read every record and every
+  commit re-created every record of the chain (on GCS: one request each; a long chaos run,
+  ~600 restores, went from 0.13 s to 2.6 s per restore).
 
 Who writes what and what happens when a writer dies at each point: docs/architecture.md
 "Global commit and incarnations".
@@ -16,6 +21,8 @@ Who writes what and what happens when a writer dies at each point: docs/architec
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Iterable
 
 from strata.errors import CommitError, ShardUnavailable, TierError
@@ -141,8 +148,7 @@ def commit_if_complete(
     except CommitError as exc:
         log.info("step %d not committable in the %s tier yet: %s", step, tier.name, exc)
         return None
-    for rec in records:
-        write_incarnation(tier, rec)
+    write_missing_incarnations(tier, job_id, records)
     return write_commit(tier, commit)
 
 
@@ -202,13 +208,37 @@ def write_commit(tier: Tier, commit: StepCommit) -> StepCommit:
     return existing
 
 
+_READ: weakref.WeakKeyDictionary[Tier, dict[tuple[str, str], Incarnation]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per tier object: (job id, record name) -> the record read there (records are create-only)."""
+_READ_LOCK = threading.Lock()
+
+
+def _cache(tier: Tier) -> dict[tuple[str, str], Incarnation]:
+    with _READ_LOCK:
+        try:
+            return _READ.setdefault(tier, {})
+        except TypeError:  # an unhashable tier: no cache
+            return {}
+
+
 def read_incarnations(tier: Tier, job_id: str) -> list[Incarnation]:
-    """Every readable incarnation record of ``job_id`` in ``tier`` (bad ones logged, skipped)."""
+    """Every readable incarnation record of ``job_id`` in ``tier`` (bad ones logged, skipped).
+
+    One listing, then a read of each record this ``tier`` object has not read before (a record
+    is created once, sealed, and never rewritten; a record deleted since is no longer listed and
+    no longer returned). :class:`TierError` when the tier cannot be listed or read."""
     out = []
     prefix = layout.incarnations_prefix(job_id)
+    cache = _cache(tier)
     for name in tier.list_records(prefix):
         inc = layout.parse_incarnation_name(name)
         if inc is None:
+            continue
+        known = cache.get((job_id, name))
+        if known is not None:
+            out.append(known)
             continue
         raw = tier.read_record(f"{prefix}/{name}")
         if raw is None:
@@ -219,8 +249,26 @@ def read_incarnations(tier: Tier, job_id: str) -> list[Incarnation]:
             log.warning("ignoring incarnation record: %s", exc)
             continue
         if rec.id == inc and rec.job_id == job_id:
+            cache[(job_id, name)] = rec
             out.append(rec)
     return out
+
+
+def write_missing_incarnations(tier: Tier, job_id: str, records: Iterable[Incarnation]) -> int:
+    """Create those of ``records`` (of ``job_id``) that ``tier`` does not list: one listing,
+    then one create each for the missing ones (a listed name is never rewritten, as
+    :func:`write_incarnation` would not either). Returns how many this call created.
+    :class:`TierError` (:class:`TierFull`) when the tier fails."""
+    wanted = [r for r in records if r.job_id == job_id]
+    if not wanted:
+        return 0
+    listed = set(tier.list_records(layout.incarnations_prefix(job_id)))
+    created = 0
+    for rec in wanted:
+        if layout.incarnation_key(job_id, rec.id).rsplit("/", 1)[-1] in listed:
+            continue
+        created += write_incarnation(tier, rec)
+    return created
 
 
 def write_incarnation(tier: Tier, rec: Incarnation) -> bool:
