@@ -227,11 +227,13 @@ def test_incarnation_records_are_read_once_per_tier_and_a_commit_recreates_none_
     class Counting(type(tier)):  # type: ignore[misc]
         def read_record(self, key: str) -> bytes | None:
             calls["read"] += "/incarnations/" in key
-            return super().read_record(key)
+            payload: bytes | None = super().read_record(key)
+            return payload
 
         def create_record(self, key: str, payload: bytes) -> bool:
             calls["create"] += "/incarnations/" in key
-            return super().create_record(key, payload)
+            created: bool = super().create_record(key, payload)
+            return created
 
     tier.__class__ = Counting
     t0 = datetime(2026, 12, 4, tzinfo=UTC)

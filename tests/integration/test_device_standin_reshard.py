@@ -4,10 +4,10 @@
 The CUDA branch of a resharding restore: the state lives on the device. Saving copies it
 device-to-host through the device seam; with ``hold=True`` a copy that nobody waits for before
 the commit leaves zeros in the saved bytes. Restoring at another world size fills each live
-device tensor in place from host bytes (the node's RAM slot or the PVC). The resharding path
-copies each piece with a plain ``copy_`` from pageable host memory (synchronous; not through the
-seam's page-locked side stream), so these tests check the saved bytes, the in-place fill and the
-phases on device tensors, not a restore-side stream wait.
+device tensor in place from host bytes (the node's RAM slot or the PVC), each piece through the
+seam's side stream (the stand-in counts those copies: a plain ``copy_`` into device memory would
+not be counted), so these tests check the saved bytes, the in-place fill, the phases on device
+tensors and the host-to-device path of every piece.
 
 - 2 ranks of one pod save into the node's RAM; 1 rank restores onto the device (RAM source);
 - 4 ranks save, their shards reach the PVC; 2 ranks restore onto the device (PVC source).
@@ -72,7 +72,9 @@ with Checkpointer(**kw) as c:
         c.wait()
     else:
         live = state(0, fill=0.0)
+        before = len(dev.copies)
         res = c.restore(live)
+        h2d = sum(1 for _, kind in dev.copies[before:] if kind == "h2d")
         v = values(res.step)
         result.update(
             step=res.step,
@@ -89,6 +91,7 @@ with Checkpointer(**kw) as c:
                        (("a", live["a"].to_local()), ("b", live["b"].to_local()),
                         ("ddp", live["ddp"]))},
             step_value=live["step"],
+            h2d=h2d,
         )
 dist.barrier()
 dist.destroy_process_group()
@@ -117,6 +120,9 @@ def _assert_resharded_onto_the_device(got: list[dict[str, Any]], step: int, save
         assert all(r["equal"].values()), r
         # filled in place: the live device tensors stay the device's
         assert all(r["on_device"].values()), r
+        # and through the device seam's side stream, each piece (``a``: this rank's rows come
+        # from two saved shards; ``b`` and ``ddp``: one each), not a plain copy into device memory
+        assert r["h2d"] >= 4, r
 
 
 def test_a_resharding_restore_from_the_nodes_ram_lands_on_the_device_2_to_1(

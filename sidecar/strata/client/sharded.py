@@ -138,7 +138,7 @@ class ShardedLoad:
         with torch.no_grad():
             for t, buf in staged:
                 if buf is not t:
-                    t.copy_(buf)
+                    _copy_in(t, buf)
 
     def fill_from_tiers(self, reader: ShardReader) -> None:
         """Fill every pending slice from the saved owners' shards (see :class:`ShardReader`)."""
@@ -155,7 +155,7 @@ class ShardedLoad:
                         continue
                     assert e.tensor is not None
                     piece = reader.region(saved_rank, m, e.tensor, e.offsets, ov, p.path)
-                    placement.sub(p.layout.local, need[0], ov).copy_(piece)
+                    _copy_in(placement.sub(p.layout.local, need[0], ov), piece)
                     covered += placement.region_numel(ov[1])
                 if covered != placement.region_numel(need[1]):
                     raise RestoreError(
@@ -360,14 +360,26 @@ class ShardReader:
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; a device ``dst`` from a host ``src`` (the loader hands the chunk as
-    a view of the registered RAM slot when it can) through the device seam's side stream."""
+    """``dst.copy_(src)`` (same shape and dtype). A copy between host and device memory goes
+    through the device seam's side stream (:func:`strata.client.device.copy_now`), which waits
+    for the device's current stream and returns when the bytes are in place: a chunk of the
+    registered RAM slot, a piece a resharding read returned, a received buffer. Strided sides are
+    first gathered on their own side (a contiguous device or host buffer), so the transfer itself
+    is one contiguous copy. Host to host and device to device copy in place (one stream's
+    order)."""
     dev = devices.active()
-    fits = dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
-    if fits and dev.index_of(dst) is not None and dev.index_of(src) is None:
-        devices.copy_now(dev, dst, src)
-    else:
+    d_index, s_index = dev.index_of(dst), dev.index_of(src)
+    if (d_index is None) == (s_index is None) or dst.dtype != src.dtype:
         dst.copy_(src)
+        return
+    if not src.is_contiguous():
+        src = src.contiguous()  # on src's side: a device-side gather, or a host-side one
+    if dst.is_contiguous() and dst.shape == src.shape:
+        devices.copy_now(dev, dst, src)
+        return
+    landing = dev.empty_like(src, d_index)  # contiguous, on dst's side
+    devices.copy_now(dev, landing, src)
+    dst.copy_(landing)  # on dst's side (device to device: the current stream, after the copy)
 
 
 def _wire_index(dev: Device, t: torch.Tensor, on_device: bool) -> int | None:
@@ -385,7 +397,7 @@ def _on_wire(dev: Device, t: torch.Tensor, on_device: bool) -> torch.Tensor:
     if dev.index_of(t) == where and t.is_contiguous():
         return t
     out = dev.empty_like(t, where)
-    out.copy_(t)
+    _copy_in(out, t)
     return out
 
 
