@@ -273,3 +273,94 @@ def test_incarnation_records_are_read_once_per_tier_and_a_commit_recreates_none_
     gone = chain[-1]
     tier.delete_record(layout.incarnation_key(JOB, gone.id))
     assert {r.id for r in read_incarnations(tier, JOB)} == (ids | {late.id}) - {gone.id}
+
+
+def test_a_commit_collects_the_incarnation_records_the_newest_one_makes_redundant(
+    shm_dir: Path, tier: Tier
+) -> None:
+    """Records that carry their chain: a commit leaves the newest ``KEEP_INCARNATION_RECORDS``
+    in the tier and deletes the rest, and the tier alone still tells every step's liveness as
+    all 40 records did (before: every restore's record stayed for good, and a 600-restore run
+    read 600 per restore)."""
+    from datetime import UTC, datetime, timedelta
+
+    from strata.format.incarnation import Incarnation, Lineage, new_incarnation_id
+    from strata.tiers.records import (
+        KEEP_INCARNATION_RECORDS,
+        lineage,
+        read_incarnations,
+        write_missing_incarnations,
+    )
+
+    t0 = datetime(2026, 12, 4, tzinfo=UTC)
+    recs: list[Incarnation] = []
+    for i in range(40):
+        at = t0 + timedelta(seconds=i)
+        # each restore resumes step 10*i-5 of the one before (which saved 10*i-9 .. 10*i-1)
+        parent, base = (recs[-1].id, 10 * i - 5) if recs else (None, None)
+        recs.append(
+            Incarnation(
+                job_id=JOB,
+                id=new_incarnation_id(at),
+                parent=parent,
+                base_step=base,
+                world_size=1,
+                created=at,
+                ancestors=Lineage(recs).ancestry(parent, base),
+            )
+        )
+    everything = Lineage(recs)
+    assert write_missing_incarnations(tier, JOB, recs) == 40
+    ram = RamTier(shm_dir, keep=2)
+    newest = recs[-1]
+    fill(ram, tier, 400, 1, newest.id, [0])
+    assert commit_if_complete(tier, JOB, 400, "w", newest.id, records=[newest]) is not None
+    left = {r.id for r in read_incarnations(tier, JOB)}
+    assert left == {r.id for r in recs[-KEEP_INCARNATION_RECORDS:]}
+    alone = lineage([tier], JOB)
+    assert alone.current == newest.id
+    for i, r in enumerate(recs):
+        for step in range(10 * i - 9, 10 * i):
+            assert alone.live(r.id, step) == everything.live(r.id, step), (i, step)
+    assert alone.live(recs[0].id, 5) and not alone.live(recs[0].id, 6)  # a deep ancestor
+    fill(ram, tier, 401, 1, newest.id, [0])
+    assert commit_if_complete(tier, JOB, 401, "w", newest.id, records=[newest]) is not None
+    assert {r.id for r in read_incarnations(tier, JOB)} == left
+
+
+def test_the_sidecar_collects_the_redundant_incarnation_records_of_the_nodes_ram(
+    shm_dir: Path,
+) -> None:
+    """Every rank writes its restore's record into the node's RAM tier; the sidecar's view of
+    the node keeps the newest ``KEEP_INCARNATION_RECORDS`` once the newest carries its chain,
+    and the chain it copies next to a commit is that one record."""
+    from datetime import UTC, datetime, timedelta
+
+    from strata.format.incarnation import Incarnation, Lineage, new_incarnation_id
+    from strata.sidecar.promotion.world import RamWorld
+    from strata.tiers.records import KEEP_INCARNATION_RECORDS, read_incarnations, write_incarnation
+
+    ram = RamTier(shm_dir, keep=2)
+    t0 = datetime(2026, 12, 4, tzinfo=UTC)
+    recs: list[Incarnation] = []
+    for i in range(30):
+        parent, base = (recs[-1].id, i) if recs else (None, None)
+        at = t0 + timedelta(seconds=i)
+        recs.append(
+            Incarnation(
+                job_id=JOB,
+                id=new_incarnation_id(at),
+                parent=parent,
+                base_step=base,
+                world_size=1,
+                created=at,
+                ancestors=Lineage(recs).ancestry(parent, base),
+            )
+        )
+        write_incarnation(ram, recs[-1])
+    world = RamWorld(ram, JOB).snapshot({}, [0])
+    assert world.incarnation == recs[-1].id
+    kept = {r.id for r in recs[-KEEP_INCARNATION_RECORDS:]}
+    assert {r.id for r in read_incarnations(ram, JOB)} == kept
+    assert {r.id for r in world.records} == kept
+    assert world.chain() == [recs[-1]]

@@ -28,6 +28,7 @@ from strata.format.incarnation import Lineage
 from strata.tiers.base import Tier
 from strata.tiers.gcs import GcsTier
 from strata.tiers.posix import PosixTier
+from strata.tiers.ram import RamTier
 from strata.tiers.records import read_commit, read_incarnations, verify_commit
 from tests.fixtures.gcs import GcsEmulator
 from tests.fixtures.sidecar import REPO, SidecarProcess, free_port
@@ -458,3 +459,37 @@ def threading_kill_when(predicate: Callable[[], bool], pid: int) -> Any:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def test_a_job_restored_again_and_again_keeps_a_bounded_number_of_incarnation_records(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    """20 restores, each followed by a committed step: every restore's record carries its chain,
+    the PVC and the node's RAM keep the newest ``KEEP_INCARNATION_RECORDS`` records, and once
+    the node is lost the PVC's records alone still restore the newest step with its bytes
+    (before: 20 records on each tier, and one more per restore for good)."""
+    from strata.tiers.records import KEEP_INCARNATION_RECORDS
+
+    pvc = tmp_path / "pvc"
+    cl = Cluster(shm_dir, sidecar_proc, pvc=pvc, pvc_every=10)
+    tier = PosixTier(pvc)
+    cl.start_sidecar(0)
+    cycles = KEEP_INCARNATION_RECORDS + 4
+    for i in range(cycles):
+        step = 10 * (i + 1)
+        res = cl.train(
+            1,
+            [{"restore": 1}, {"save": step, "seed": i}, {"wait_file": str(commit_path(pvc, step))}],
+        )
+        assert restored_ok(res, step - 10 if i else None, i - 1), (i, res)
+    recs = read_incarnations(tier, JOB)
+    assert len(recs) == KEEP_INCARNATION_RECORDS, len(recs)
+    newest = max(recs, key=lambda r: (r.created, r.id))
+    assert newest.ancestors is not None and len(newest.ancestors) == cycles - 1
+    ram_recs = read_incarnations(RamTier(cl.ram(0)), JOB)
+    assert len(ram_recs) <= KEEP_INCARNATION_RECORDS + 1, len(ram_recs)
+    cl.kill_sidecar(0)
+    cl.lose_node(0)
+    cl.start_sidecar(0)
+    res = cl.train(1, [{"restore": 1}])
+    assert restored_ok(res, 10 * cycles, cycles - 1) and res[0]["restored"]["tier"] == "pvc"

@@ -35,9 +35,10 @@ from strata.client.restore_notes import RestoreNotes, searched
 from strata.client.stager import Stager
 from strata.config import StrataConfig
 from strata.errors import RestoreError, ShardCorrupt, StageError
-from strata.format.incarnation import Incarnation, new_incarnation_id
+from strata.format.incarnation import Incarnation, Lineage, new_incarnation_id
 from strata.protocol import ClientEvent, RestoreEvent, StageRequest
 from strata.restore import RestorePlan, StageResult, plan_restore, skipped_partial_steps
+from strata.restore.plan import lineage_of
 from strata.restore.reshard import (
     LOCAL_SOURCES,
     PerRankValues,
@@ -242,7 +243,9 @@ class Restorer:
                 )
                 continue
             assert loaded is not None
-            self._open_incarnation(chosen, plan.incarnation or None, plan.step, notes)
+            self._open_incarnation(
+                chosen, plan.incarnation or None, plan.step, notes, lineage_of(invs)
+            )
             err_sharded: BaseException | None = None
             try:
                 self.phases.exchange_replicas(loaded.sharded)
@@ -449,7 +452,7 @@ class Restorer:
             f"step {step} resharded from world size {saved_world} to {self.world_size} (read "
             f"from {', '.join(read.tiers) or 'no tier'})"
         )
-        self._open_incarnation(chosen, read.parent or None, step, notes)
+        self._open_incarnation(chosen, read.parent or None, step, notes, choice.lineage)
         result = RestoreResult(
             step=step,
             tiers={self.rank: "reshard"},
@@ -477,12 +480,19 @@ class Restorer:
         return result
 
     def _open_incarnation(
-        self, chosen: dict[str, str], parent: str | None, base_step: int | None, notes: RestoreNotes
+        self,
+        chosen: dict[str, str],
+        parent: str | None,
+        base_step: int | None,
+        notes: RestoreNotes,
+        lineage: Lineage | None = None,
     ) -> None:
         """Open the incarnation agreed in the ``inventory`` phase: from now on every manifest
-        carries its id. Its record (identical bytes on every rank) goes into this node's RAM
-        tier (every rank; the sidecar copies it next to the steps it commits), and rank 0 also
-        writes it to the shared tiers now, so the lineage survives the loss of every node."""
+        carries its id. Its record (identical bytes on every rank: ``lineage`` is built from the
+        gathered records) goes into this node's RAM tier (every rank; the sidecar copies it next
+        to the steps it commits), and rank 0 also writes it to the shared tiers now, so the
+        lineage survives the loss of every node. The record carries the chain it continues
+        (``ancestors``, from ``lineage``: the one the step was chosen by)."""
         rec = Incarnation(
             job_id=self.job_id,
             id=chosen["id"],
@@ -490,6 +500,7 @@ class Restorer:
             base_step=base_step,
             world_size=self.world_size,
             created=datetime.fromisoformat(chosen["created"]),
+            ancestors=(Lineage(()) if lineage is None else lineage).ancestry(parent, base_step),
         )
         targets: list[Tier] = [self.ram]
         if self.rank == 0:

@@ -13,6 +13,12 @@ incarnation above its successor's resume point (a run that went on after the ste
 restored from, whose later steps the replay rewrites) is never restorable, never counts as
 newest for retention and never sets a promotion interval, and neither is any step of an
 incarnation off the chain (an earlier run of the same job id that the newest one did not resume).
+
+A record also carries its chain (``ancestors``: each earlier incarnation on it -> the newest step
+of it that stays live), so the lineage follows from the newest record alone and older records
+are redundant: a job restored 600 times does not need 600 records read per restore, and a tier
+keeps only its newest few (:func:`strata.tiers.records.collect_incarnations`). Records written
+before ``ancestors`` existed (None) are walked link by link as before.
 """
 
 from __future__ import annotations
@@ -51,12 +57,25 @@ class Incarnation(SealedRecord):
     """The step it resumed from; None for a fresh start."""
     world_size: Annotated[int, Field(ge=1)]
     created: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    ancestors: dict[str, Annotated[int, Field(ge=0)]] | None = None
+    """This incarnation's chain when it opened, nearest first: each earlier incarnation on it ->
+    the newest of its steps that stays live (``""``: shards written outside any incarnation); ``{}`` for a
+    fresh start. None: not recorded (a record of an older version; its chain is walked through
+    the parents' records)."""
 
     @field_validator("id", "parent")
     @classmethod
     def _safe_id(cls, v: str | None) -> str | None:
         if v is not None and not INCARNATION_ID_RE.match(v):
             raise ValueError(f"incarnation id {v!r} is not 1-64 characters of [0-9A-Za-z._-]")
+        return v
+
+    @field_validator("ancestors")
+    @classmethod
+    def _safe_ancestors(cls, v: dict[str, int] | None) -> dict[str, int] | None:
+        for a in v or {}:
+            if a and not INCARNATION_ID_RE.match(a):
+                raise ValueError(f"ancestor id {a!r} is not 1-64 characters of [0-9A-Za-z._-]")
         return v
 
 
@@ -74,7 +93,8 @@ class Lineage:
             current = max(self.records.values(), key=lambda r: (r.created, r.id)).id
         self.current = current
         self.limits: dict[str, int | None] = {}
-        """incarnation id -> newest live step (None: no limit) for each incarnation on the chain."""
+        """incarnation id -> newest live step (None: no limit) for each incarnation on the chain,
+        in chain order (``current`` first, then back through its ancestors)."""
         inc, limit = current, None
         while inc is not None and inc not in self.limits:
             self.limits[inc] = limit
@@ -82,8 +102,30 @@ class Lineage:
             if rec is None or rec.base_step is None:
                 break
             limit = rec.base_step if limit is None else min(limit, rec.base_step)
+            if rec.ancestors is not None:  # the rest of the chain, as it stood when rec opened
+                for a, newest in rec.ancestors.items():
+                    self.limits.setdefault(a, min(newest, limit))
+                break
             # A parent of None with a base step: it resumed from shards of no incarnation ("").
             inc = rec.parent if rec.parent is not None else ""
+
+    def ancestry(self, parent: str | None, base_step: int | None) -> dict[str, int]:
+        """``ancestors`` for the record of a new incarnation resuming from step ``base_step``
+        of ``parent`` (None with a step: shards of no incarnation; no step: a fresh start,
+        ``{}``), from these records: the chain followed back from ``parent``, each limit capped
+        at ``base_step``."""
+        if base_step is None:
+            return {}
+        p = parent if parent is not None else ""
+        if p in self.limits:
+            # On this chain (a live step's incarnation): p's own chain is the part of this one
+            # from p back, whether or not p's record is still there (it may have been collected);
+            # capping at base_step (<= p's limit here) removes the caps of p's successors.
+            chain = list(self.limits)
+            back = {a: self.limits[a] for a in chain[chain.index(p) :]}
+        else:
+            back = Lineage(self.records.values(), p).limits
+        return {a: base_step if n is None else min(n, base_step) for a, n in back.items()}
 
     def live(self, incarnation: str, step: int) -> bool:
         """Step ``step`` written by ``incarnation`` may be restored / promoted / kept as newest."""

@@ -343,12 +343,14 @@ def _every_manifest_sources(
 @dataclass(frozen=True)
 class ReshardChoice:
     """The step every rank reshards: written at ``saved_world_size`` by ``incarnation``;
-    ``sources``: per rank of this world, the tiers it reads (in restore order)."""
+    ``sources``: per rank of this world, the tiers it reads (in restore order); ``lineage``: the
+    one the step was chosen by (the new incarnation's record copies its chain)."""
 
     step: int
     saved_world_size: int
     incarnation: str
     sources: Mapping[int, tuple[str, ...]]
+    lineage: Lineage = field(default_factory=lambda: Lineage(()), compare=False)
 
 
 def pick_reshard(
@@ -390,5 +392,5 @@ def pick_reshard(
                 sorted(t for t in tiers if t not in order)
             )
         if all(per_rank.values()):
-            return ReshardChoice(s, w, inc, per_rank)
+            return ReshardChoice(s, w, inc, per_rank, lineage)
     return None

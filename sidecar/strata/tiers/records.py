@@ -8,11 +8,16 @@
 - :func:`verify_commit`: the record still describes the shards next to it (each rank's manifest
   bytes and data checksum are the ones committed).
 - :func:`read_incarnations` / :func:`write_incarnation`: ``<job>/incarnations/<id>.json``.
-  A job gains a record at every restore and never loses one, so both cost one listing plus the
-  records not seen before: records are created once and never rewritten (sealed), and each
-  :class:`Tier` object keeps those it read. Before, every inventory read every record and every
-  commit re-created every record of the chain (on GCS: one request each; a long chaos run,
-  ~600 restores, went from 0.13 s to 2.6 s per restore).
+  A job gains a record at every restore; both cost one listing plus the records not seen
+  before: records are created once and never rewritten (sealed), and each :class:`Tier` object
+  keeps those it read. Before, every inventory read every record and every commit re-created
+  every record of the chain (on GCS: one request each; a long chaos run, ~600 restores, went
+  from 0.13 s to 2.6 s per restore).
+- :func:`collect_incarnations`: a record carries its whole chain (``ancestors``), so once the
+  newest record does, the older ones are redundant; a tier keeps the newest
+  :data:`KEEP_INCARNATION_RECORDS` and deletes the rest (after each commit there, and on the
+  node's RAM tier when the sidecar reads it), so a job restored a thousand times reads a few
+  records per tier, not a thousand.
 
 Who writes what and what happens when a writer dies at each point: docs/architecture.md
 "Global commit and incarnations".
@@ -149,7 +154,12 @@ def commit_if_complete(
         log.info("step %d not committable in the %s tier yet: %s", step, tier.name, exc)
         return None
     write_missing_incarnations(tier, job_id, records)
-    return write_commit(tier, commit)
+    written = write_commit(tier, commit)
+    try:
+        collect_incarnations(tier, job_id)
+    except TierError as exc:  # the commit stands; the next one collects
+        log.info("incarnation records of %s not collected: %s", tier.name, exc)
+    return written
 
 
 def write_commit(tier: Tier, commit: StepCommit) -> StepCommit:
@@ -252,6 +262,49 @@ def read_incarnations(tier: Tier, job_id: str) -> list[Incarnation]:
             cache[(job_id, name)] = rec
             out.append(rec)
     return out
+
+
+KEEP_INCARNATION_RECORDS = 16
+"""Incarnation records a tier keeps per job (the newest, by creation time then id) once the
+newest carries its chain. More than one: a restore that read the records just before a newer
+one appeared still finds the ones it read (any of them gives it the whole chain)."""
+
+
+def collect_incarnations(tier: Tier, job_id: str, keep: int = KEEP_INCARNATION_RECORDS) -> int:
+    """Delete ``job_id``'s incarnation records in ``tier`` beyond the newest ``keep`` (by
+    ``created``, then id), when the newest carries its chain (``ancestors`` set: the lineage
+    follows from it alone, so the others change no step's liveness). Nothing is deleted while
+    the newest record is of the older kind (its chain is walked through the parents' records).
+    Returns how many were deleted. :class:`TierError` when the tier cannot be listed or read;
+    a record that cannot be deleted is logged and left for the next call."""
+    recs = read_incarnations(tier, job_id)
+    if len(recs) <= keep:
+        return 0
+    ordered = sorted(recs, key=lambda r: (r.created, r.id), reverse=True)
+    if ordered[0].ancestors is None:
+        return 0
+    cache = _cache(tier)
+    deleted = 0
+    for rec in ordered[keep:]:
+        key = layout.incarnation_key(job_id, rec.id)
+        try:
+            tier.delete_record(key)
+        except TierError as exc:
+            log.info("incarnation record %s not collected from %s: %s", rec.id, tier.name, exc)
+            continue
+        cache.pop((job_id, key.rsplit("/", 1)[-1]), None)
+        deleted += 1
+    if deleted:
+        log.info(
+            "collected %d incarnation records of job %s from the %s tier (the newest, %s, "
+            "carries the chain)",
+            deleted,
+            job_id,
+            tier.name,
+            ordered[0].id,
+            extra={"event": "incarnations_collected", "tier": tier.name, "count": deleted},
+        )
+    return deleted
 
 
 def write_missing_incarnations(tier: Tier, job_id: str, records: Iterable[Incarnation]) -> int:

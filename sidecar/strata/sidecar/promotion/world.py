@@ -26,7 +26,7 @@ from strata.format.incarnation import Incarnation
 from strata.format.manifest import Manifest
 from strata.tiers.base import StepListing
 from strata.tiers.ram import RamTier
-from strata.tiers.records import read_incarnations
+from strata.tiers.records import collect_incarnations, read_incarnations
 
 log = logging.getLogger("strata.promotion")
 
@@ -64,11 +64,16 @@ class World:
 
 
 def chain(records: Mapping[str, Incarnation], incarnation: str | None) -> list[Incarnation]:
-    """The records (id -> record) of ``incarnation`` and its known ancestors, newest first."""
+    """The records (id -> record) of ``incarnation`` and its known ancestors, newest first,
+    up to the first that carries its own chain (``ancestors``: the rest is redundant)."""
     out: list[Incarnation] = []
+    seen: set[str] = set()
     inc = incarnation
-    while inc and inc in records and records[inc] not in out:
+    while inc and inc in records and inc not in seen:
+        seen.add(inc)
         out.append(records[inc])
+        if records[inc].ancestors is not None:
+            break
         inc = records[inc].parent
     return out
 
@@ -144,5 +149,10 @@ class RamWorld:
         except TierError:
             return self._records[1]
         if names != self._records[0]:
+            try:
+                if collect_incarnations(self.ram, self.job_id):
+                    names = tuple(self.ram.list_records(layout.incarnations_prefix(self.job_id)))
+            except TierError as exc:
+                log.info("incarnation records of the RAM tier not collected: %s", exc)
             self._records = (names, tuple(read_incarnations(self.ram, self.job_id)))
         return self._records[1]
