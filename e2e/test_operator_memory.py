@@ -1,4 +1,5 @@
-"""The operator's memory under report load: bounded while it lasts, given back after it.
+"""The operator's memory under report load and admission bursts: bounded while they last, given
+back (or flat) after them.
 
 Real parts: the operator as a subprocess, the apiserver's TokenReview of pod-bound tokens, TLS
 connections like the sidecars' (a new one per report, :mod:`e2e.scale`'s client). The operator's
@@ -16,6 +17,7 @@ the code before the fix, 2,000 reports 400 at a time, see ``PEAK_BUDGET_MIB`` an
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ssl
 import threading
 import time
@@ -24,11 +26,12 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 from kubernetes import client
-from tests.fixtures.pods import policy_obj
+from tests.fixtures.pods import PodBuilder, jobset_obj, policy_obj
 
 from e2e.operator_fixtures import OperatorProcess
 from e2e.test_reports import make_pod, pod_token
 from strata.reports import REPORT_PATH, SidecarReport, TierState
+from strata_operator.constants import SIDECAR_NAME
 from strata_operator.memory import TRIM_PERIOD_SECONDS, rss_mib
 
 pytestmark = pytest.mark.e2e
@@ -159,3 +162,88 @@ def test_report_bursts_leave_the_operator_memory_bounded_and_flat_after(
     assert statuses == [202] * ROUNDS * CONCURRENT, {s: statuses.count(s) for s in set(statuses)}
     assert sampler.peak - baseline < PEAK_BUDGET_MIB, (baseline, sampler.peak)
     assert after - baseline < RETAINED_BUDGET_MIB, (baseline, after)
+
+
+ADMISSION_BURSTS = 3
+ADMISSION_REPLICAS = 8
+ADMISSION_COMPLETIONS = 24
+"""Each burst: the pods of one new JobSet of 8 x 24 = 192 pods under a ``spec.peers`` policy,
+created through the apiserver 16 at a time (every pod mutated by the webhook: the JobSet read,
+the peer patterns built, the job's Secret made once)."""
+ADMISSION_FIRST_BUDGET_MIB = 25.0
+"""RSS above the warmed-up baseline once the first burst is over and the operator trimmed;
+MiB (the caches and first-use allocations of admission). Measured on the developers' machine
+(2 cores): baseline 119.4 MiB, 122.6 after the first burst (+3.2), peak 123.8."""
+ADMISSION_FLAT_BUDGET_MIB = 8.0
+"""RSS gained from after the first burst to after the last one; MiB. What "flat" means here:
+later jobs of the same size reuse what the first one grew, nothing accumulates per job.
+Measured: 122.6 -> 122.7 -> 123.1 MiB (+0.5 over two more jobs)."""
+
+
+def test_admission_bursts_leave_the_operator_memory_flat_after(
+    operator_running: OperatorProcess,
+    api: client.ApiClient,
+    k8s_namespace: str,
+    workload_crds: dict[str, str],
+) -> None:
+    """Three JobSets' pods admitted one burst after another: the operator's RSS after each burst
+    stays within a budget of the baseline, and the second and third bursts add (almost) nothing
+    to what the first one left (before: a 512-pod burst left the operator at 180 MiB against
+    110 MiB, and nothing said whether later bursts added to it)."""
+    op, ns = operator_running, k8s_namespace
+    assert op.proc is not None
+    pid = op.proc.pid
+    custom = client.CustomObjectsApi(api)
+    core = client.CoreV1Api(api)
+    policy = policy_obj(namespace=ns, pvc=None)
+    policy["spec"]["peers"] = {"mode": "replicate", "copies": 1}
+    custom.create_namespaced_custom_object(
+        "strata.dev", "v1alpha1", ns, "checkpointpolicies", policy
+    )
+
+    def jobset(name: str) -> None:
+        custom.create_namespaced_custom_object(
+            "jobset.x-k8s.io",
+            "v1alpha2",
+            ns,
+            "jobsets",
+            jobset_obj(name, replicas=ADMISSION_REPLICAS, completions=ADMISSION_COMPLETIONS),
+        )
+
+    def pod(js: str, j: int, p: int) -> bool:
+        obj = (
+            PodBuilder(f"{js}-workers-{j}-{p}", ns)
+            .policy("fast")
+            .label("jobset.sigs.k8s.io/jobset-name", js)
+            .label("batch.kubernetes.io/job-name", f"{js}-workers-{j}")
+            .container("train")
+            .obj()
+        )
+        created = core.create_namespaced_pod(ns, obj)
+        return any(c.name == SIDECAR_NAME for c in created.spec.init_containers or [])
+
+    def burst(js: str) -> list[bool]:
+        jobset(js)
+        slots = [(j, p) for j in range(ADMISSION_REPLICAS) for p in range(ADMISSION_COMPLETIONS)]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            return list(pool.map(lambda jp: pod(js, *jp), slots))
+
+    # Warm-up: a small JobSet's pods, every admission path used once (imports, API clients,
+    # the peer Secret's key generation), few at a time.
+    jobset("warm")
+    assert all(pod("warm", j, 0) for j in range(2))
+    baseline = _settled_rss(pid)
+    after: list[float] = []
+    injected: list[bool] = []
+    with RssSampler(pid) as sampler:
+        for b in range(ADMISSION_BURSTS):
+            injected += burst(f"llm{b}")
+            after.append(_settled_rss(pid))
+    print(
+        f"\n[memory] {ADMISSION_BURSTS} x {ADMISSION_REPLICAS * ADMISSION_COMPLETIONS} pods "
+        f"admitted: RSS baseline {baseline:.1f} MiB, peak {sampler.peak:.1f} MiB, after each "
+        f"burst {', '.join(f'{a:.1f}' for a in after)} MiB"
+    )
+    assert all(injected), injected.count(False)
+    assert after[0] - baseline < ADMISSION_FIRST_BUDGET_MIB, (baseline, after)
+    assert after[-1] - after[0] < ADMISSION_FLAT_BUDGET_MIB, (baseline, after)
