@@ -161,10 +161,14 @@ def _inc(inv: RankInventory, tier: str, step: int) -> str:
 
 
 def lineage_of(inventories: Sequence[RankInventory]) -> Lineage:
-    """The lineage of the union of every rank's incarnation records (bad records skipped)."""
+    """The lineage of the union of every rank's incarnation records (bad records skipped).
+    Each record is parsed once, however many ranks shipped it (every rank lists the shared
+    tiers: W copies of each)."""
     recs: dict[str, Incarnation] = {}
     for inv in inventories:
         for d in inv.records:
+            if d.get("id") in recs:
+                continue
             try:
                 rec = Incarnation.model_validate(d)
             except ValueError:

@@ -367,6 +367,8 @@ def pick_reshard(
     recs: dict[str, Incarnation] = {}
     for g in gathered:
         for d in g.get("records", ()):
+            if d.get("id") in recs:  # parsed once, whichever ranks shipped it
+                continue
             try:
                 rec = Incarnation.model_validate(d)
             except ValueError:
