@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from strata.client.sidecar_client import SidecarClient, connect
 from strata.config import StrataConfig
-from strata.errors import SlotsBusy, StageError, TierError, TierFull
+from strata.errors import SidecarUnavailable, SlotsBusy, StageError, TierError, TierFull
 from strata.format.incarnation import Incarnation
 from strata.protocol import StageRequest
 from strata.reports import REPORT_PATH, SidecarReport
@@ -488,6 +488,59 @@ def test_a_restore_whose_sidecar_is_gone_waits_for_it_once_not_once_per_call(
     again = [n for n in result.skipped if "still not answering" in n]
     assert len(waited) == 1 and "inventory" in waited[0], result.skipped
     assert len(again) == 1 and "staging of step 7" in again[0], result.skipped
+
+
+def test_a_sidecar_that_dies_mid_answer_is_a_gone_sidecar_not_a_crashed_restore(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> None:
+    """The sidecar is SIGKILLed while it sends the inventory's answer: the trainer's restore
+    reads the tiers directly (noted), as for a sidecar that does not answer at all. Found by
+    ``make chaos``: ``http.client.IncompleteRead`` (219,264 of 231,325 bytes) escaped
+    ``restore()`` and killed the trainer. The dying sidecar here is a real socket on the real
+    path that answers every request with a response cut short and closes it."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    from strata.client import Checkpointer
+
+    config = config_for(shm_dir, tmp_path / "pvc")
+    side = sidecar_proc(config)
+    state = {"w": torch.arange(4096, dtype=torch.float32), "step": 7}
+    with Checkpointer(config, rank=0, world_size=1) as ckpt:
+        assert ckpt.save(7, state)
+        ckpt.wait()
+    cut = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n{"ra'
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(cut)
+
+    target = {"w": torch.zeros(4096), "step": -1}
+    try:
+        with Checkpointer(config, rank=0, world_size=1) as ckpt:
+            stager = ckpt.stager
+            assert isinstance(getattr(stager, "sidecar", None), SidecarClient)
+            stager.wait_seconds = 0.5  # type: ignore[attr-defined]
+            side.kill()
+            side.proc.wait(timeout=30)
+            Path(config.socket).unlink(missing_ok=True)
+            server.bind(str(config.socket))
+            server.listen(16)
+            threading.Thread(target=serve, daemon=True).start()
+            with pytest.raises(SidecarUnavailable, match="did not answer"):
+                SidecarClient(config.socket).call("GET", "/healthz")
+            result = ckpt.restore(target)
+    finally:
+        server.close()
+    assert result.step == 7 and torch.equal(target["w"], state["w"])
+    assert any("read the tiers directly" in n for n in result.skipped), result.skipped
 
 
 def test_c06_no_tier_holds_a_step_is_a_clear_error_never_a_silent_step_0(

@@ -134,7 +134,8 @@ class SidecarClient:
         timeout: float | None = None,
     ) -> tuple[int, dict[str, Any]]:
         """One call: ``body`` (a :mod:`strata.protocol` request) as JSON; returns the status and
-        the JSON object answered. Raises :class:`SidecarUnavailable` when nobody answers."""
+        the JSON object answered. Raises :class:`SidecarUnavailable` when nobody answers or the
+        answer is cut short (the sidecar died while sending it)."""
         conn = UnixHTTPConnection(self.socket_path, timeout=timeout or self.timeout)
         try:
             payload = (
@@ -147,7 +148,8 @@ class SidecarClient:
             response = conn.getresponse()
             raw = response.read()
             status = response.status
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:
+            # HTTPException: the sidecar died mid-answer (IncompleteRead, a bad status line)
             raise SidecarUnavailable(
                 f"the Strata sidecar did not answer on {self.socket_path} ({exc}); is the sidecar "
                 "container running? (the trainer falls back to direct tier access when it starts "
