@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from strata.format.incarnation import Incarnation, Lineage
+from strata.format.incarnation import Incarnation, Lineage, sufficient
 from strata.tiers.records import KEEP_INCARNATION_RECORDS
 
 T0 = datetime(2026, 12, 4, tzinfo=UTC)
@@ -105,3 +105,17 @@ def test_ancestry_of_a_parent_whose_record_was_collected_comes_from_the_chain() 
 def test_an_ancestor_id_that_is_not_an_incarnation_id_is_refused() -> None:
     with pytest.raises(ValueError, match="ancestor id"):
         Incarnation(job_id="j", id="a", world_size=1, ancestors={"../x": 1})
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_rank_ships_one_record_per_tier_and_the_lineage_stays_that_of_all(seed: int) -> None:
+    """What a restore inventory carries (:func:`sufficient`): the newest record alone once it
+    carries its chain (before: every record the tier kept, each with its chain: 1.1 MB per
+    rank in a 1,800-restore chaos run), and every record of the older kind it needs otherwise;
+    the lineage is that of all records either way."""
+    old, new, saved = _history(seed, restores=60)
+    assert sufficient(new) == [new[-1]]
+    for recs in (old, new, old[:30] + new[30:]):
+        full, few = Lineage(recs), Lineage(sufficient(recs))
+        assert few.current == full.current
+        assert all(few.live(i, s) == full.live(i, s) for i, s in saved)

@@ -149,3 +149,25 @@ class Lineage:
             f"step {step} of incarnation {incarnation!r} lies above step {self.limits[incarnation]} "
             "that a later incarnation resumed from (superseded)"
         )
+
+
+def sufficient(records: Iterable[Incarnation]) -> list[Incarnation]:
+    """The fewest of ``records`` whose :class:`Lineage` is that of all of them: the newest and
+    its chain back to the first record that carries its own (``ancestors``), newest first; all
+    of them when that chain reaches no such record (records of an older version, walked link by
+    link, may need records of any tier). What a rank ships in its restore inventory: one record
+    per tier in the common case, however many restores the job has had."""
+    recs = {r.id: r for r in records}
+    if not recs:
+        return []
+    inc: str | None = max(recs.values(), key=lambda r: (r.created, r.id)).id
+    out: list[Incarnation] = []
+    seen: set[str] = set()
+    while inc is not None and inc in recs and inc not in seen:
+        seen.add(inc)
+        rec = recs[inc]
+        out.append(rec)
+        if rec.ancestors is not None or rec.base_step is None:
+            return out  # the chain is complete here (a fresh start ends it too)
+        inc = rec.parent if rec.parent is not None else ""
+    return list(recs.values())
