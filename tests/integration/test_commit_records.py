@@ -4,6 +4,8 @@ idempotence, torn records, un-commit before deletion (issue 12)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from strata.errors import CommitError
 from strata.format import layout
 from strata.format.commit import StepCommit, build_commit
+from strata.format.incarnation import Incarnation, Lineage, new_incarnation_id
 from strata.tiers.base import Tier
 from strata.tiers.gcs import GcsTier
 from strata.tiers.posix import PosixTier
@@ -34,6 +37,28 @@ def fill(ram: RamTier, tier: Tier, step: int, world: int, inc: str, ranks: list[
         m = write_ram_shard(ram, JOB, step, r, bytes([r + 1]) * 5000, world_size=world)
         m = m.model_copy(update={"incarnation": inc})
         tier.put_shard(JOB, step, r, ram.data_path(JOB, step, r), m)
+
+
+def chained_records(n: int, base_of: Callable[[int], int]) -> list[Incarnation]:
+    """``n`` incarnation records that carry their chain, as restores write them: the first a
+    fresh start, record ``i`` resuming step ``base_of(i)`` of record ``i - 1``."""
+    t0 = datetime(2026, 12, 4, tzinfo=UTC)
+    recs: list[Incarnation] = []
+    for i in range(n):
+        at = t0 + timedelta(seconds=i)
+        parent, base = (recs[-1].id, base_of(i)) if recs else (None, None)
+        recs.append(
+            Incarnation(
+                job_id=JOB,
+                id=new_incarnation_id(at),
+                parent=parent,
+                base_step=base,
+                world_size=1,
+                created=at,
+                ancestors=Lineage(recs).ancestry(parent, base),
+            )
+        )
+    return recs
 
 
 @pytest.fixture(params=["pvc", "gcs"])
@@ -282,9 +307,8 @@ def test_a_commit_collects_the_incarnation_records_the_newest_one_makes_redundan
     in the tier and deletes the rest, and the tier alone still tells every step's liveness as
     all 40 records did (before: every restore's record stayed for good, and a 600-restore run
     read 600 per restore)."""
-    from datetime import UTC, datetime, timedelta
 
-    from strata.format.incarnation import Incarnation, Lineage, new_incarnation_id
+    from strata.format.incarnation import Lineage
     from strata.tiers.records import (
         KEEP_INCARNATION_RECORDS,
         lineage,
@@ -292,23 +316,8 @@ def test_a_commit_collects_the_incarnation_records_the_newest_one_makes_redundan
         write_missing_incarnations,
     )
 
-    t0 = datetime(2026, 12, 4, tzinfo=UTC)
-    recs: list[Incarnation] = []
-    for i in range(40):
-        at = t0 + timedelta(seconds=i)
-        # each restore resumes step 10*i-5 of the one before (which saved 10*i-9 .. 10*i-1)
-        parent, base = (recs[-1].id, 10 * i - 5) if recs else (None, None)
-        recs.append(
-            Incarnation(
-                job_id=JOB,
-                id=new_incarnation_id(at),
-                parent=parent,
-                base_step=base,
-                world_size=1,
-                created=at,
-                ancestors=Lineage(recs).ancestry(parent, base),
-            )
-        )
+    # each restore resumes step 10*i-5 of the one before (which saved 10*i-9 .. 10*i-1)
+    recs = chained_records(40, lambda i: 10 * i - 5)
     everything = Lineage(recs)
     assert write_missing_incarnations(tier, JOB, recs) == 40
     ram = RamTier(shm_dir, keep=2)
@@ -334,30 +343,14 @@ def test_the_sidecar_collects_the_redundant_incarnation_records_of_the_nodes_ram
     """Every rank writes its restore's record into the node's RAM tier; the sidecar's view of
     the node keeps the newest ``KEEP_INCARNATION_RECORDS`` once the newest carries its chain,
     and the chain it copies next to a commit is that one record."""
-    from datetime import UTC, datetime, timedelta
 
-    from strata.format.incarnation import Incarnation, Lineage, new_incarnation_id
     from strata.sidecar.promotion.world import RamWorld
     from strata.tiers.records import KEEP_INCARNATION_RECORDS, read_incarnations, write_incarnation
 
     ram = RamTier(shm_dir, keep=2)
-    t0 = datetime(2026, 12, 4, tzinfo=UTC)
-    recs: list[Incarnation] = []
-    for i in range(30):
-        parent, base = (recs[-1].id, i) if recs else (None, None)
-        at = t0 + timedelta(seconds=i)
-        recs.append(
-            Incarnation(
-                job_id=JOB,
-                id=new_incarnation_id(at),
-                parent=parent,
-                base_step=base,
-                world_size=1,
-                created=at,
-                ancestors=Lineage(recs).ancestry(parent, base),
-            )
-        )
-        write_incarnation(ram, recs[-1])
+    recs = chained_records(30, lambda i: i)
+    for rec in recs:
+        write_incarnation(ram, rec)
     world = RamWorld(ram, JOB).snapshot({}, [0])
     assert world.incarnation == recs[-1].id
     kept = {r.id for r in recs[-KEEP_INCARNATION_RECORDS:]}

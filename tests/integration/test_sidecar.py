@@ -460,6 +460,23 @@ def test_a_deferred_ram_hit_loads_and_verifies_with_the_sidecar_killed_after_its
         assert result.step == 60 and result.tier == "ram"
 
 
+def _saved_step_7(
+    shm_dir: Path, tmp_path: Path, sidecar_proc: Start
+) -> tuple[StrataConfig, Any, dict[str, Any]]:
+    """A sidecar with a PVC, and step 7 of a 4,096-float state saved through it."""
+    import torch
+
+    from strata.client import Checkpointer
+
+    config = config_for(shm_dir, tmp_path / "pvc")
+    side = sidecar_proc(config)
+    state = {"w": torch.arange(4096, dtype=torch.float32), "step": 7}
+    with Checkpointer(config, rank=0, world_size=1) as ckpt:
+        assert ckpt.save(7, state)
+        ckpt.wait()
+    return config, side, state
+
+
 def test_a_restore_whose_sidecar_is_gone_waits_for_it_once_not_once_per_call(
     shm_dir: Path, tmp_path: Path, sidecar_proc: Start
 ) -> None:
@@ -470,12 +487,7 @@ def test_a_restore_whose_sidecar_is_gone_waits_for_it_once_not_once_per_call(
     torch = pytest.importorskip("torch")
     from strata.client import Checkpointer
 
-    config = config_for(shm_dir, tmp_path / "pvc")
-    side = sidecar_proc(config)
-    state = {"w": torch.arange(4096, dtype=torch.float32), "step": 7}
-    with Checkpointer(config, rank=0, world_size=1) as ckpt:
-        assert ckpt.save(7, state)
-        ckpt.wait()
+    config, side, state = _saved_step_7(shm_dir, tmp_path, sidecar_proc)
     target = {"w": torch.zeros(4096), "step": -1}
     with Checkpointer(config, rank=0, world_size=1) as ckpt:
         stager = ckpt.stager
@@ -503,12 +515,7 @@ def test_a_sidecar_that_dies_mid_answer_is_a_gone_sidecar_not_a_crashed_restore(
     torch = pytest.importorskip("torch")
     from strata.client import Checkpointer
 
-    config = config_for(shm_dir, tmp_path / "pvc")
-    side = sidecar_proc(config)
-    state = {"w": torch.arange(4096, dtype=torch.float32), "step": 7}
-    with Checkpointer(config, rank=0, world_size=1) as ckpt:
-        assert ckpt.save(7, state)
-        ckpt.wait()
+    config, side, state = _saved_step_7(shm_dir, tmp_path, sidecar_proc)
     cut = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n{"ra'
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
