@@ -38,7 +38,6 @@ from strata.errors import RestoreError, ShardCorrupt, StageError
 from strata.format.incarnation import Incarnation, Lineage, new_incarnation_id
 from strata.protocol import ClientEvent, RestoreEvent, StageRequest
 from strata.restore import RestorePlan, StageResult, plan_restore, skipped_partial_steps
-from strata.restore.plan import lineage_of
 from strata.restore.reshard import (
     LOCAL_SOURCES,
     PerRankValues,
@@ -243,9 +242,7 @@ class Restorer:
                 )
                 continue
             assert loaded is not None
-            self._open_incarnation(
-                chosen, plan.incarnation or None, plan.step, notes, lineage_of(invs)
-            )
+            self._open_incarnation(chosen, plan.incarnation or None, plan.step, notes, plan.lineage)
             err_sharded: BaseException | None = None
             try:
                 self.phases.exchange_replicas(loaded.sharded)

@@ -24,7 +24,7 @@ before ``ancestors`` existed (None) are walked link by link as before.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Annotated, ClassVar, Literal
 
@@ -151,6 +151,25 @@ class Lineage:
         )
 
 
+def chain_back(
+    records: Mapping[str, Incarnation], start: str | None
+) -> tuple[list[Incarnation], bool]:
+    """The records (id -> record) of ``start`` and its ancestors, newest first, up to the first
+    that carries its own chain (``ancestors``) or is a fresh start; and whether the chain ends
+    there (True) rather than at a record missing from ``records`` (False)."""
+    out: list[Incarnation] = []
+    seen: set[str] = set()
+    inc = start
+    while inc is not None and inc in records and inc not in seen:
+        seen.add(inc)
+        rec = records[inc]
+        out.append(rec)
+        if rec.ancestors is not None or rec.base_step is None:
+            return out, True
+        inc = rec.parent if rec.parent is not None else ""
+    return out, False
+
+
 def sufficient(records: Iterable[Incarnation]) -> list[Incarnation]:
     """The fewest of ``records`` whose :class:`Lineage` is that of all of them: the newest and
     its chain back to the first record that carries its own (``ancestors``), newest first; all
@@ -160,14 +179,6 @@ def sufficient(records: Iterable[Incarnation]) -> list[Incarnation]:
     recs = {r.id: r for r in records}
     if not recs:
         return []
-    inc: str | None = max(recs.values(), key=lambda r: (r.created, r.id)).id
-    out: list[Incarnation] = []
-    seen: set[str] = set()
-    while inc is not None and inc in recs and inc not in seen:
-        seen.add(inc)
-        rec = recs[inc]
-        out.append(rec)
-        if rec.ancestors is not None or rec.base_step is None:
-            return out  # the chain is complete here (a fresh start ends it too)
-        inc = rec.parent if rec.parent is not None else ""
-    return list(recs.values())
+    newest = max(recs.values(), key=lambda r: (r.created, r.id))
+    out, complete = chain_back(recs, newest.id)
+    return out if complete else list(recs.values())

@@ -111,6 +111,9 @@ class RestorePlan:
     sources: Mapping[int, tuple[str, ...]]
     incarnation: str = ""
     """The incarnation whose shards every rank loads (never a mix)."""
+    lineage: Lineage = field(default_factory=lambda: Lineage(()), compare=False)
+    """The lineage the step was chosen by (the gathered records'; the new incarnation's record
+    copies its chain)."""
 
 
 def shard_sources(
@@ -208,11 +211,13 @@ def restorable_steps(
     order: Sequence[str] = TIER_ORDER,
     exclude: Iterable[int] = (),
     local_tiers: frozenset[str] = LOCAL_TIERS,
+    lineage: Lineage | None = None,
 ) -> list[int]:
     """Steps for which every rank 0..world_size-1 can read a committed shard of one live
-    incarnation (:func:`step_incarnation`), newest first."""
+    incarnation (:func:`step_incarnation`), newest first. ``lineage``: that of the gathered
+    records (default: built from them)."""
     excluded = set(exclude)
-    lineage = lineage_of(inventories)
+    lineage = lineage_of(inventories) if lineage is None else lineage
     candidates = {
         s for inv in inventories for steps in inv.committed.values() for s in steps
     } - excluded
@@ -246,14 +251,15 @@ def plan_restore(
                 f"rank {inv.rank} runs with world size {inv.world_size}, this rank with "
                 f"{world_size}: every rank must agree on WORLD_SIZE"
             )
-    steps = restorable_steps(inventories, world_size, order, exclude, local_tiers)
+    lineage = lineage_of(inventories)
+    steps = restorable_steps(inventories, world_size, order, exclude, local_tiers, lineage)
     if not steps:
         return None
     step = steps[0]
-    inc = step_incarnation(inventories, world_size, step, order, local_tiers)
+    inc = step_incarnation(inventories, world_size, step, order, local_tiers, lineage)
     assert inc is not None
     return RestorePlan(
-        step, shard_sources(inventories, world_size, step, order, local_tiers, inc), inc
+        step, shard_sources(inventories, world_size, step, order, local_tiers, inc), inc, lineage
     )
 
 

@@ -153,12 +153,13 @@ def commit_if_complete(
     except CommitError as exc:
         log.info("step %d not committable in the %s tier yet: %s", step, tier.name, exc)
         return None
-    write_missing_incarnations(tier, job_id, records)
+    held = _write_missing(tier, job_id, records)
     written = write_commit(tier, commit)
-    try:
-        collect_incarnations(tier, job_id)
-    except TierError as exc:  # the commit stands; the next one collects
-        log.info("incarnation records of %s not collected: %s", tier.name, exc)
+    if held > KEEP_INCARNATION_RECORDS:  # else nothing to collect: no second listing
+        try:
+            collect_incarnations(tier, job_id)
+        except TierError as exc:  # the commit stands; the next one collects
+            log.info("incarnation records of %s not collected: %s", tier.name, exc)
     return written
 
 
@@ -312,12 +313,24 @@ def write_missing_incarnations(tier: Tier, job_id: str, records: Iterable[Incarn
     then one create each for the missing ones (a listed name is never rewritten, as
     :func:`write_incarnation` would not either). Returns how many this call created.
     :class:`TierError` (:class:`TierFull`) when the tier fails."""
-    wanted = [r for r in records if r.job_id == job_id]
-    if not wanted:
-        return 0
     listed = set(tier.list_records(layout.incarnations_prefix(job_id)))
+    return _create_unlisted(tier, job_id, records, listed)
+
+
+def _write_missing(tier: Tier, job_id: str, records: Iterable[Incarnation]) -> int:
+    """:func:`write_missing_incarnations` for a commit: returns how many records the tier
+    holds now (listed plus created), from its one listing."""
+    listed = set(tier.list_records(layout.incarnations_prefix(job_id)))
+    return len(listed) + _create_unlisted(tier, job_id, records, listed)
+
+
+def _create_unlisted(
+    tier: Tier, job_id: str, records: Iterable[Incarnation], listed: set[str]
+) -> int:
     created = 0
-    for rec in wanted:
+    for rec in records:
+        if rec.job_id != job_id:
+            continue
         if layout.incarnation_key(job_id, rec.id).rsplit("/", 1)[-1] in listed:
             continue
         created += write_incarnation(tier, rec)

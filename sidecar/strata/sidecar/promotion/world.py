@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from strata.errors import ShardUnavailable, TierError
 from strata.format import layout
-from strata.format.incarnation import Incarnation
+from strata.format.incarnation import Incarnation, chain_back
 from strata.format.manifest import Manifest
 from strata.tiers.base import StepListing
 from strata.tiers.ram import RamTier
@@ -66,16 +66,7 @@ class World:
 def chain(records: Mapping[str, Incarnation], incarnation: str | None) -> list[Incarnation]:
     """The records (id -> record) of ``incarnation`` and its known ancestors, newest first,
     up to the first that carries its own chain (``ancestors``: the rest is redundant)."""
-    out: list[Incarnation] = []
-    seen: set[str] = set()
-    inc = incarnation
-    while inc and inc in records and inc not in seen:
-        seen.add(inc)
-        out.append(records[inc])
-        if records[inc].ancestors is not None:
-            break
-        inc = records[inc].parent
-    return out
+    return chain_back(records, incarnation or None)[0]
 
 
 class RamWorld:
