@@ -7,7 +7,9 @@ the commit leaves zeros in the saved bytes. Restoring at another world size fill
 device tensor in place from host bytes (the node's RAM slot or the PVC), each piece through the
 seam's side stream (the stand-in counts those copies: a plain ``copy_`` into device memory would
 not be counted), so these tests check the saved bytes, the in-place fill, the phases on device
-tensors and the host-to-device path of every piece.
+tensors and the host-to-device path of every piece. ``c`` is sharded along its columns, so a
+piece lands in a strided region of the live shard (through a contiguous landing buffer on the
+device).
 
 - 2 ranks of one pod save into the node's RAM; 1 rank restores onto the device (RAM source);
 - 4 ranks save, their shards reach the PVC; 2 ranks restore onto the device (PVC source).
@@ -47,7 +49,9 @@ def values(s, fill=None):
     g = torch.Generator().manual_seed(100 + s)
     # 24 rows: divisible by 1, 2, 4 and 8 ranks, so every world size shards it evenly
     t = {"a": torch.randn(24, 5, generator=g), "b": torch.randn(6, generator=g),
-         "ddp": torch.randn(9, generator=g)}
+         "ddp": torch.randn(9, generator=g),
+         # sharded along columns: a restored piece is a strided region of the local shard
+         "c": torch.randn(5, 24, generator=g)}
     if fill is not None:
         t = {k: torch.full_like(v, fill) for k, v in t.items()}
     return t
@@ -55,8 +59,10 @@ def values(s, fill=None):
 def state(s, fill=None):
     v = values(s, fill)
     mine = v["a"].chunk(world)[rank]
+    cols = v["c"].chunk(world, dim=1)[rank].contiguous()
     return {
         "a": DTensor.from_local(dev.tensor(mine), mesh, [Shard(0)], run_check=False),
+        "c": DTensor.from_local(dev.tensor(cols), mesh, [Shard(1)], run_check=False),
         "b": DTensor.from_local(dev.tensor(v["b"]), mesh, [Replicate()], run_check=False),
         "ddp": dev.tensor(v["ddp"]),  # a device tensor declared replicated
         "step": s,
@@ -84,11 +90,13 @@ with Checkpointer(**kw) as c:
             skipped=res.skipped,
             equal={
                 "a": bool(torch.equal(live["a"].full_tensor(), v["a"])),
+                "c": bool(torch.equal(live["c"].full_tensor(), v["c"])),
                 "b": bool(torch.equal(live["b"].to_local(), v["b"])),
                 "ddp": bool(torch.equal(live["ddp"], v["ddp"])),
             },
             on_device={k: dev.index_of(t) == 0 for k, t in
-                       (("a", live["a"].to_local()), ("b", live["b"].to_local()),
+                       (("a", live["a"].to_local()), ("c", live["c"].to_local()),
+                        ("b", live["b"].to_local()),
                         ("ddp", live["ddp"]))},
             step_value=live["step"],
             h2d=h2d,
